@@ -1,0 +1,60 @@
+"""Errors meant for people: one line naming the problem, an optional hint naming the fix.
+
+Every error the CLI can explain is a ``PpoError``; ``cli.main`` prints ``error: <message>`` and
+``hint: <hint>`` and exits with the error's code. Anything else is a bug and shows a traceback only
+with ``--debug``.
+"""
+
+from __future__ import annotations
+
+# Exit codes (documented in README.md).
+EXIT_OK = 0
+EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
+EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
+
+
+class PpoError(Exception):
+    """An error with a message for people and an optional hint naming the fix."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(PpoError):
+    exit_code = EXIT_USAGE
+
+
+class RecipeError(UsageError):
+    """The recipe (or an override) does not validate."""
+
+
+class DataError(UsageError):
+    """A prompts or rollouts file cannot be used."""
+
+
+class ModelReferenceError(UsageError):
+    """A model path, hub id or alias cannot be resolved."""
+
+
+class ModelLoadError(PpoError):
+    """A model was found but could not be loaded."""
+
+
+class CheckpointError(PpoError):
+    """A checkpoint is missing, incomplete or does not match its manifest."""
+
+
+class RewardFunctionError(UsageError):
+    """A Python reward function cannot be imported or has the wrong signature."""
+
+
+class TrainingError(PpoError):
+    """Training cannot go on (for example, repeated non-finite updates)."""
