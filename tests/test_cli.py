@@ -1,0 +1,258 @@
+"""The `ppo` CLI: one-line errors with hints and exit codes, --debug tracebacks, thin commands.
+
+Commands are patched where they would load models, so nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ppo_cli import __version__
+from ppo_cli.cli import BUG_HINT, app, main
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, UsageError
+from ppo_cli.recipe import dump_resolved, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
+SUMMARY = "valid: run directory runs/minimal; num_mini_batches=2, grad_accum_steps=2, value kind=adapter"
+
+runner = CliRunner()
+
+
+def invoke(*args: str, **kwargs):
+    return runner.invoke(app, [str(a) for a in args], **kwargs)
+
+
+@pytest.fixture
+def bad_recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(MINIMAL.read_text().replace("  mini_batch_size: 4\n", "  mini_batch_size: 4\n  kl_coeff: 1\n"))
+    return path
+
+
+@pytest.fixture
+def fake_train(monkeypatch) -> list[dict]:
+    """Stands in for ppo_cli.commands.train (which loads models) and records its calls."""
+    calls: list[dict] = []
+    module = types.ModuleType("ppo_cli.commands.train")
+
+    def run(recipe, **kwargs):
+        calls.append({"recipe": recipe, **kwargs})
+
+    module.run = run
+    monkeypatch.setitem(sys.modules, "ppo_cli.commands.train", module)
+    return calls
+
+
+def boom(*args, **kwargs):
+    raise RuntimeError("boom\nsecond line")
+
+
+# --- help and version --------------------------------------------------------------------------
+
+
+def test_help_lists_the_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("train", "validate"):
+        assert command in result.stdout
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"ppo {__version__}\n"
+
+
+def test_no_arguments_shows_help_with_usage_exit_code():
+    result = invoke()
+    assert result.exit_code == EXIT_USAGE
+    assert "Usage" in result.output
+
+
+def test_importing_the_cli_does_not_import_torch():
+    code = "import sys, ppo_cli.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# --- validate ------------------------------------------------------------------------------------
+
+
+def test_validate_prints_the_resolved_recipe_and_the_summary():
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout) == yaml.safe_load(dump_resolved(load_recipe(MINIMAL)))
+    assert result.stderr.strip() == SUMMARY
+    assert SUMMARY in result.output
+
+
+def test_validate_applies_set_overrides():
+    result = invoke("validate", MINIMAL, "--set", "ppo.kl_coef=0.2", "--set", "policy.lora=null")
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["ppo"]["kl_coef"] == 0.2
+    assert resolved["policy"]["lora"] is None
+    assert "value kind=model" in result.stderr
+
+
+def test_validate_bad_recipe_is_one_error_line_and_a_hint(bad_recipe):
+    result = invoke("validate", bad_recipe)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"error: {bad_recipe}:16: ppo.kl_coeff: unknown key 'kl_coeff' in ppo"
+    assert lines[1].startswith("hint: did you mean 'kl_coef'? allowed keys: rollout_batch_size,")
+    assert len(lines) == 2
+    assert "Traceback" not in result.output
+
+
+def test_validate_all_errors_lists_every_error(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text(MINIMAL.read_text().replace("r: 4", "r: four").replace("total_updates: 2", "total_updates: -1"))
+    first = invoke("validate", path)
+    assert first.stderr.splitlines()[0] == (
+        f"error: {path}:6: policy.lora.r: expected an integer, got 'four' "
+        f"(and 1 more error; run `ppo validate {path} --all-errors` for all)"
+    )
+    result = invoke("validate", path, "--all-errors")
+    assert result.exit_code == EXIT_USAGE
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {path}:6: policy.lora.r: expected an integer, got 'four'",
+        f"error: {path}:18: train.total_updates: must be > 0, got -1",
+    ]
+
+
+def test_validate_bad_set_syntax(bad_recipe):
+    result = invoke("validate", MINIMAL, "--set", "ppo.kl_coef")
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines()[0] == "error: --set ppo.kl_coef: expected key.path=value"
+
+
+def test_validate_missing_file():
+    result = invoke("validate", "no/such/recipe.yaml")
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        "error: no/such/recipe.yaml: no such recipe file",
+        "hint: check the path; shipped recipes are in recipes/",
+    ]
+
+
+def test_error_text_is_not_read_as_rich_markup(tmp_path):
+    path = tmp_path / "markup.yaml"
+    path.write_text(MINIMAL.read_text().replace("name: minimal", "name: '[bold]x[/]'"))
+    result = invoke("validate", path)
+    assert result.exit_code == EXIT_USAGE
+    assert f"error: {path}:2: name: invalid value '[bold]x[/]'" in result.stderr
+
+
+def test_missing_argument_is_a_usage_error():
+    result = invoke("validate")
+    assert result.exit_code == 2
+    assert "Missing argument" in result.output
+
+
+# --- train ----------------------------------------------------------------------------------------
+
+
+def test_train_loads_the_recipe_and_calls_the_train_command(fake_train):
+    result = invoke("train", MINIMAL, "--set", "train.total_updates=5", "--overwrite", "--resume", "latest")
+    assert result.exit_code == 0, result.output
+    [call] = fake_train
+    assert call["recipe"].train.total_updates == 5
+    assert call["recipe_path"] == MINIMAL
+    assert (call["overwrite"], call["merge"], call["resume"]) == (True, False, "latest")
+
+
+def test_train_defaults(fake_train):
+    assert invoke("train", MINIMAL, "--merge").exit_code == 0
+    [call] = fake_train
+    assert (call["overwrite"], call["merge"], call["resume"]) == (False, True, None)
+
+
+def test_train_invalid_recipe_never_reaches_the_train_command(fake_train, bad_recipe):
+    result = invoke("train", bad_recipe)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.startswith(f"error: {bad_recipe}:16: ppo.kl_coeff:")
+    assert fake_train == []
+
+
+def test_train_ppo_error_keeps_its_exit_code_and_hint(monkeypatch, fake_train):
+    def refuse(recipe, **kwargs):
+        raise UsageError("runs/minimal exists", hint="pass --overwrite or change name")
+
+    monkeypatch.setattr(sys.modules["ppo_cli.commands.train"], "run", refuse)
+    result = invoke("train", MINIMAL)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == ["error: runs/minimal exists", "hint: pass --overwrite or change name"]
+
+
+# --- unexpected errors, Ctrl-C and --debug ---------------------------------------------------------
+
+
+def test_unexpected_error_is_one_line_with_the_bug_hint(monkeypatch):
+    monkeypatch.setattr("ppo_cli.commands.validate.run", boom)
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == EXIT_RUNTIME
+    assert result.stderr.splitlines() == ["error: unexpected RuntimeError: boom", f"hint: {BUG_HINT}"]
+    assert "Traceback" not in result.output
+
+
+def test_keyboard_interrupt_exits_130(monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ppo_cli.commands.validate.run", interrupt)
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == EXIT_INTERRUPTED
+    assert result.stderr.splitlines() == ["error: interrupted"]
+
+
+def test_debug_reraises(monkeypatch):
+    monkeypatch.setattr("ppo_cli.commands.validate.run", boom)
+    result = invoke("--debug", "validate", MINIMAL)
+    assert isinstance(result.exception, RuntimeError)
+    assert "error:" not in result.output
+
+
+def test_debug_from_the_environment(monkeypatch):
+    monkeypatch.setattr("ppo_cli.commands.validate.run", boom)
+    result = invoke("validate", MINIMAL, env={"PPO_DEBUG": "1"})
+    assert isinstance(result.exception, RuntimeError)
+
+
+def test_main_exits_with_the_command_exit_code(capsys, bad_recipe):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", str(bad_recipe)])
+    assert exit_info.value.code == EXIT_USAGE
+    assert capsys.readouterr().err.startswith(f"error: {bad_recipe}:16: ppo.kl_coeff:")
+
+
+def _ppo(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "PPO_DEBUG"} | env
+    return subprocess.run(
+        [sys.executable, "-m", "ppo_cli", *args], capture_output=True, text=True, cwd=ROOT, env=environment
+    )
+
+
+def test_real_process_without_debug_has_no_traceback():
+    result = _ppo("validate", "no/such.yaml")
+    assert result.returncode == EXIT_USAGE
+    assert result.stderr.startswith("error: no/such.yaml: no such recipe file\nhint: ")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [("--debug", "validate", "no/such.yaml"), ("validate", "no/such.yaml", "--debug")])
+def test_real_process_with_debug_shows_the_traceback(args):
+    result = _ppo(*args)
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "RecipeError: no/such.yaml: no such recipe file" in result.stderr

@@ -1,0 +1,407 @@
+"""Recipe loading: every bad recipe gives its exact one-line message, located by YAML line or --set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ppo_cli.errors import EXIT_USAGE, RecipeError
+from ppo_cli.recipe import (
+    PPOConfig,
+    Recipe,
+    RecipeValidationError,
+    apply_overrides,
+    dump_resolved,
+    load_recipe,
+    load_yaml_with_lines,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
+PPO_KEYS = ", ".join(PPOConfig.model_fields)
+
+# The line numbers asserted below are the lines of this text.
+BASE = """\
+name: demo
+policy:
+  path: tiny/policy
+  lora:
+    r: 4
+reward:
+  components:
+    - type: function
+      function: rewards.py:length_reward
+data:
+  prompts: prompts.txt
+ppo:
+  rollout_batch_size: 8
+  mini_batch_size: 4
+  micro_batch_size: 2
+train:
+  total_updates: 2
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def variant(tmp_path: Path, old: str, new: str) -> Path:
+    assert old in BASE, old
+    return write(tmp_path, BASE.replace(old, new, 1))
+
+
+def error(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    assert "\n" not in info.value.message
+    assert info.value.exit_code == EXIT_USAGE
+    return info.value
+
+
+# --- valid recipes ----------------------------------------------------------------------------
+
+
+def test_load_recipe_base_is_valid(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE))
+    assert recipe.name == "demo"
+    assert recipe.ppo.num_mini_batches == 2
+    assert recipe.ppo.grad_accum_steps == 2
+    assert recipe.value_kind == "adapter"
+    assert recipe.run_dir == Path("runs") / "demo"
+
+
+def test_load_recipe_minimal_fixture_is_valid():
+    assert load_recipe(MINIMAL).name == "minimal"
+
+
+def test_every_shipped_recipe_validates():
+    files = sorted((ROOT / "recipes").rglob("*.yaml"))
+    assert files, "no recipes/**/*.yaml found"
+    for path in files:
+        load_recipe(path)  # raises RecipeError naming the file and line
+
+
+def test_dump_resolved_round_trips(tmp_path):
+    text = BASE.replace(
+        "    r: 4\n", "    r: 4\n    target_modules: [q_proj, v_proj]\n"
+    ) + "optim:\n  lr: 3.0e-6\n  max_grad_norm: null\n"
+    recipe = load_recipe(
+        write(tmp_path, text),
+        [
+            "ppo.adaptive_kl={target: 6.0}",
+            "reward.components.1={type: classifier, path: clf, labels: {positive: 10, negative: -1}}",
+            "generation.stop_token=<|end|>",
+        ],
+    )
+    dumped = dump_resolved(recipe)
+    again = load_recipe(write(tmp_path, dumped, "resolved.yaml"))
+    assert again == recipe
+    assert dump_resolved(again) == dumped
+    assert "kl_coef: 0.05" in dumped  # defaults are written out
+
+
+def test_dump_resolved_round_trips_the_minimal_fixture(tmp_path):
+    recipe = load_recipe(MINIMAL)
+    assert load_recipe(write(tmp_path, dump_resolved(recipe))) == recipe
+
+
+# --- schema errors, located by line -----------------------------------------------------------
+
+
+def test_unknown_key_names_line_and_suggests_the_right_key(tmp_path):
+    path = variant(tmp_path, "  micro_batch_size: 2\n", "  micro_batch_size: 2\n  kl_coeff: 0.1\n")
+    err = error(path)
+    assert err.message == f"{path}:16: ppo.kl_coeff: unknown key 'kl_coeff' in ppo"
+    assert err.hint == f"did you mean 'kl_coef'? allowed keys: {PPO_KEYS}"
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = variant(tmp_path, "name: demo\n", "name: demo\npolcy: {}\n")
+    err = error(path)
+    assert err.message == f"{path}:2: polcy: unknown key 'polcy'"
+    assert err.hint.startswith("did you mean 'policy'? allowed keys: name, seed, output_dir, policy,")
+
+
+def test_wrong_type_says_expected_type(tmp_path):
+    path = variant(tmp_path, "    r: 4\n", "    r: four\n")
+    err = error(path)
+    assert err.message == f"{path}:5: policy.lora.r: expected an integer, got 'four'"
+    assert err.hint == "`policy.lora.r` takes an integer: LoRA rank."
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    path = variant(tmp_path, "train:\n  total_updates: 2\n", "train: 2\n")
+    err = error(path)
+    assert err.message == f"{path}:16: train: expected a mapping (key: value lines), got 2"
+
+
+def test_bad_literal_lists_allowed_values(tmp_path):
+    path = variant(tmp_path, "  path: tiny/policy\n", "  path: tiny/policy\n  dtype: fp16\n")
+    err = error(path)
+    assert err.message == f"{path}:4: policy.dtype: invalid value 'fp16'"
+    assert err.hint == "allowed values: 'float32', 'bfloat16', 'float16' or 'auto'"
+
+
+def test_bad_reward_type_lists_allowed_types(tmp_path):
+    path = variant(tmp_path, "    - type: function\n", "    - type: python\n")
+    err = error(path)
+    assert err.message == f"{path}:8: reward.components.0.type: invalid value 'python'"
+    assert err.hint == "allowed values: 'model', 'classifier', 'function'"
+
+
+def test_reward_component_without_type(tmp_path):
+    path = variant(tmp_path, "    - type: function\n      function:", "    - function:")
+    err = error(path)
+    assert err.message == f"{path}:8: reward.components.0.type: missing required key"
+    assert err.hint == "add `type:` to this item; allowed values: 'model', 'classifier', 'function'"
+
+
+def test_error_inside_a_reward_component_has_no_union_tag_in_its_path(tmp_path):
+    path = variant(tmp_path, "function: rewards.py:length_reward", "function: rewards.py")
+    err = error(path)
+    assert err.message == f"{path}:9: reward.components.0.function: invalid value 'rewards.py'"
+    assert err.hint.startswith("'package.module:name' or 'path/to/file.py:name'")
+
+
+def test_missing_required_key_points_at_its_parent(tmp_path):
+    path = variant(tmp_path, "  total_updates: 2\n", "  save_every: 5\n")
+    err = error(path)
+    assert err.message == f"{path}:16: train.total_updates: missing required key"
+    assert err.hint == "add `total_updates:` under `train:` — PPO updates (rollout + optimisation rounds)."
+
+
+def test_missing_required_section(tmp_path):
+    path = variant(tmp_path, "data:\n  prompts: prompts.txt\n", "")
+    err = error(path)
+    assert err.message == f"{path}:1: data: missing required key"
+    assert err.hint == "add `data:` at the top level — Where the prompts come from."
+
+
+def test_number_out_of_range_gives_the_allowed_range(tmp_path):
+    path = variant(tmp_path, "ppo:\n", "ppo:\n  gamma: 1.5\n")
+    err = error(path)
+    assert err.message == f"{path}:13: ppo.gamma: must be <= 1.0, got 1.5"
+    assert err.hint == "allowed: 0.0 <= gamma <= 1.0; Discount factor (TRL: gamma)."
+
+
+def test_batch_sizes_that_do_not_divide(tmp_path):
+    path = variant(tmp_path, "  mini_batch_size: 4\n", "  mini_batch_size: 3\n")
+    err = error(path)
+    assert err.message == f"{path}:14: ppo.mini_batch_size: rollout_batch_size (8) must be a multiple of mini_batch_size (3)"
+    path = variant(tmp_path, "  micro_batch_size: 2\n", "  micro_batch_size: 3\n")
+    err = error(path)
+    assert err.message == f"{path}:15: ppo.micro_batch_size: mini_batch_size (4) must be a multiple of micro_batch_size (3)"
+    assert "divides" in err.hint
+
+
+def test_quantized_policy_without_lora(tmp_path):
+    path = variant(tmp_path, "  lora:\n    r: 4\n", "  quantization: 4bit\n")
+    err = error(path)
+    assert err.message == f"{path}:4: policy.quantization: a 4bit policy cannot be trained without LoRA"
+    assert err.hint == "add a `lora:` block under `policy:` (QLoRA) or set `policy.quantization: none`"
+
+
+def test_value_adapter_without_lora(tmp_path):
+    path = variant(tmp_path, "  lora:\n    r: 4\n", "  dtype: float32\n")
+    err = error(path, ["value.kind=adapter"])
+    assert err.message == f"{path}:(--set): value.kind: 'adapter' needs a LoRA policy"
+
+
+def test_value_init_from_reward_needs_a_reward_model(tmp_path):
+    err = error(write(tmp_path, BASE), ["value.init_from=reward"])
+    assert err.message.endswith(":(--set): value.init_from: 'reward' needs a reward component of type 'model' or 'classifier' to start from")
+
+
+def test_auto_value_kind_is_a_separate_model_when_initialised_from_the_reward_model(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, BASE), ["value.init_from=reward", "reward.components.1={type: model, path: rm}"]
+    )
+    assert recipe.value_kind == "model"
+
+
+def test_several_errors_first_in_file_order_and_counted(tmp_path):
+    text = BASE.replace("    r: 4\n", "    r: four\n").replace("  mini_batch_size: 4\n", "  mini_batch_size: x\n")
+    path = write(tmp_path, text + "extra: 1\n")
+    err = error(path)
+    assert err.message == (
+        f"{path}:5: policy.lora.r: expected an integer, got 'four' "
+        f"(and 2 more errors; run `ppo validate {path} --all-errors` for all)"
+    )
+    assert isinstance(err, RecipeValidationError)
+    assert [str(p) for p in err.problems] == [
+        f"{path}:5: policy.lora.r: expected an integer, got 'four'",
+        f"{path}:14: ppo.mini_batch_size: expected an integer, got 'x'",
+        f"{path}:18: extra: unknown key 'extra'",
+    ]
+
+
+# --- reading the file ---------------------------------------------------------------------------
+
+
+def test_yaml_syntax_error_names_its_line(tmp_path):
+    path = variant(tmp_path, "  micro_batch_size: 2\n", "   micro_batch_size: 2\n")
+    err = error(path)
+    assert err.message == f"{path}:15: YAML syntax error: mapping values are not allowed here"
+    assert "indentation" in err.hint
+
+
+def test_unclosed_flow_list_names_where_it_opened(tmp_path):
+    path = variant(tmp_path, "  prompts: prompts.txt\n", "  prompts: [a, b\n")
+    err = error(path)
+    assert err.message == f"{path}:12: YAML syntax error: expected ',' or ']', but got ':'"
+    assert err.hint.startswith("while parsing a flow sequence at line 11;")
+
+
+def test_duplicate_key(tmp_path):
+    path = variant(tmp_path, "  rollout_batch_size: 8\n", "  rollout_batch_size: 8\n  rollout_batch_size: 16\n")
+    err = error(path)
+    assert err.message == f"{path}:14: ppo.rollout_batch_size: duplicate key (first at line 13)"
+
+
+def test_missing_file_suggests_a_sibling(tmp_path):
+    write(tmp_path, BASE, "demo.yaml")
+    err = error(tmp_path / "dmeo.yaml")
+    assert err.message == f"{tmp_path / 'dmeo.yaml'}: no such recipe file"
+    assert err.hint == f"did you mean {tmp_path / 'demo.yaml'}?"
+
+
+def test_directory_instead_of_file(tmp_path):
+    write(tmp_path, BASE, "demo.yaml")
+    err = error(tmp_path)
+    assert err.message == f"{tmp_path}: is a directory, not a recipe file"
+    assert err.hint == "recipes in it: demo.yaml"
+
+
+def test_non_utf8_file(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(b"name: demo\npolicy:\n  path: caf\xe9\n")
+    assert error(path).message == f"{path}:3: not UTF-8 text (byte 0xe9)"
+
+
+def test_empty_file(tmp_path):
+    path = write(tmp_path, "# nothing yet\n")
+    assert error(path).message == f"{path}: the recipe is empty"
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = write(tmp_path, "# a list\n- name: demo\n")
+    assert error(path).message == f"{path}:2: the recipe must be a mapping of keys (name:, policy:, ...), not a list"
+
+
+def test_load_yaml_with_lines_records_keys_and_list_items():
+    data, lines = load_yaml_with_lines(BASE)
+    assert data["ppo"]["mini_batch_size"] == 4
+    assert lines[()] == 1
+    assert lines[("ppo", "mini_batch_size")] == 14
+    assert lines[("reward", "components", "0")] == 8
+    assert lines[("reward", "components", "0", "function")] == 9
+
+
+# --- --set overrides ------------------------------------------------------------------------------
+
+
+def test_set_values_are_typed_by_the_schema(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["ppo.kl_coef=0.1", "train.total_updates=5", "optim.lr=1e-5"])
+    assert recipe.ppo.kl_coef == 0.1 and type(recipe.ppo.kl_coef) is float
+    assert recipe.train.total_updates == 5 and type(recipe.train.total_updates) is int
+    assert recipe.optim.lr == 1e-5
+
+
+def test_set_null_removes_a_section(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["policy.lora=null"])
+    assert recipe.policy.lora is None
+    assert recipe.value_kind == "model"
+
+
+def test_set_a_string_field_keeps_the_text(tmp_path):
+    assert load_recipe(write(tmp_path, BASE), ["name=2024"]).name == "2024"
+
+
+def test_set_into_a_list_item_by_index(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["reward.components.0.weight=2"])
+    assert recipe.reward.components[0].weight == 2.0
+
+
+def test_set_appends_at_the_next_index(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, BASE), ["reward.components.1.type=function", "reward.components.1.function=x.py:f"]
+    )
+    assert [c.function for c in recipe.reward.components] == ["rewards.py:length_reward", "x.py:f"]
+
+
+def test_set_a_whole_list_as_yaml_flow(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ['reward.components=[{type: function, function: "x.py:f"}]'])
+    assert recipe.reward.components[0].function == "x.py:f"
+
+
+def test_set_creates_a_missing_section(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["ppo.adaptive_kl.target=6"])
+    assert recipe.ppo.adaptive_kl.target == 6.0
+
+
+def test_set_does_not_change_the_input_data():
+    data = {"ppo": {"kl_coef": 0.1}}
+    new, paths = apply_overrides(data, ["ppo.kl_coef=0.2"])
+    assert data == {"ppo": {"kl_coef": 0.1}} and new == {"ppo": {"kl_coef": 0.2}}
+    assert paths == {("ppo", "kl_coef")}
+
+
+def test_set_unknown_key_lists_allowed_keys_and_suggests(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo.kl_coeff=0.1"])
+    assert err.message == f"--set ppo.kl_coeff=0.1: unknown key 'kl_coeff' in ppo; allowed: {PPO_KEYS}"
+    assert err.hint == "did you mean 'kl_coef'?"
+
+
+def test_set_unknown_key_in_a_reward_component_uses_its_type(tmp_path):
+    err = error(write(tmp_path, BASE), ["reward.components.0.functon=x.py:f"])
+    assert err.message == (
+        "--set reward.components.0.functon=x.py:f: unknown key 'functon' in reward.components.0; "
+        "allowed: type, function, weight"
+    )
+    assert err.hint == "did you mean 'function'?"
+
+
+def test_set_without_equals_sign(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo.kl_coef"])
+    assert err.message == "--set ppo.kl_coef: expected key.path=value"
+    assert err.hint == "for example --set ppo.kl_coef=0.1 or --set policy.lora=null"
+
+
+def test_set_with_an_empty_key_part(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo..kl_coef=1"])
+    assert err.message == "--set ppo..kl_coef=1: empty key in 'ppo..kl_coef'"
+
+
+def test_set_index_out_of_range(tmp_path):
+    err = error(write(tmp_path, BASE), ["reward.components.3.weight=2"])
+    assert err.message == "--set reward.components.3.weight=2: index 3 is out of range: reward.components has 1 item"
+    assert err.hint == "use reward.components.1 to append an item"
+
+
+def test_set_non_numeric_index(tmp_path):
+    err = error(write(tmp_path, BASE), ["reward.components.first.weight=2"])
+    assert err.message == (
+        "--set reward.components.first.weight=2: reward.components is a list; index it with a number, "
+        "e.g. reward.components.0"
+    )
+
+
+def test_set_below_a_single_value(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo.kl_coef.value=2"])
+    assert err.message == "--set ppo.kl_coef.value=2: ppo.kl_coef is a single value, not a section"
+
+
+def test_set_value_that_does_not_validate_is_located_on_the_command_line(tmp_path):
+    path = write(tmp_path, BASE)
+    err = error(path, ["ppo.kl_coef=abc"])
+    assert err.message == f"{path}:(--set): ppo.kl_coef: expected a number, got 'abc'"
+    assert err.hint.startswith("`ppo.kl_coef` takes a number")
+
+
+def test_set_invalid_yaml_value(tmp_path):
+    err = error(write(tmp_path, BASE), ["reward.components=[{type: function"])
+    assert err.message.startswith("--set reward.components=[{type: function: the value is not valid YAML:")
