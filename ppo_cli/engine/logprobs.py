@@ -1,0 +1,94 @@
+"""Forward passes that give per-token log-probs and values for the response part of sequences.
+
+Shapes: B sequences, L = P + T tokens (left-padded prompt of P, right-padded response of T), H hidden,
+V vocabulary. Position t of the response is predicted by the hidden state at P - 1 + t, so the
+outputs are (B, T) and line up with ``response_ids``. Logits are divided by the sampling temperature
+in rollout and update alike, so the PPO ratio is 1 at the first step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions counted over real tokens only, as generate() does with left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, L, H) of a causal LM's decoder (no LM head) or of a bare backbone."""
+    lm = unwrap_causal_lm(model)
+    decoder = lm.get_decoder() if lm.get_output_embeddings() is not None else lm
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def response_slice(hidden: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Hidden states (B, T, H) at the positions that predict the T response tokens."""
+    return hidden[:, -response_len - 1 : -1]
+
+
+def lm_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Temperature-scaled logits (B, T, V), computed only where they are needed."""
+    logits = unwrap_causal_lm(model).get_output_embeddings()(hidden)
+    return logits.float() / temperature
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 8) -> torch.Tensor:
+    """log_softmax(logits)[..., index] as gather - logsumexp, (B, T, V), (B, T) -> (B, T).
+
+    Never materialises a full (B, T, V) log-softmax; rows are processed in chunks so the
+    logsumexp temporary stays small at large vocabularies. Half-precision rows are upcast chunk by
+    chunk, so the result is float32 whatever the model dtype.
+    """
+    out = []
+    for rows, idx in zip(logits.split(chunk_rows), index.split(chunk_rows)):
+        rows = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
+        picked = rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch.Tensor:
+    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32."""
+    head = actor_critic.value_head
+    return head(hidden.to(head.weight.dtype)).squeeze(-1)
+
+
+def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
+    """(logits (B, T, V), values (B, T) or None): values come free when the head shares the backbone."""
+    ac.use_adapter(POLICY_ADAPTER)
+    hidden = response_slice(backbone_hidden(ac.policy, sequences, attention_mask), response_len)
+    values = values_from_hidden(ac, hidden) if ac.value_kind == "head" else None
+    return lm_logits(ac.policy, hidden, temperature), values
+
+
+def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
+    """Values (B, T) from the critic: a second adapter on the shared base, or a separate backbone."""
+    if ac.value_kind == "head":
+        return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
+    if ac.value_kind == "adapter":
+        ac.use_adapter(VALUE_ADAPTER)
+        hidden = backbone_hidden(ac.policy, sequences, attention_mask)
+        ac.use_adapter(POLICY_ADAPTER)
+    else:
+        hidden = backbone_hidden(ac.value_backbone, sequences, attention_mask)
+    return values_from_hidden(ac, response_slice(hidden, response_len))
+
+
+def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float) -> torch.Tensor:
+    """log pi_ref of the response tokens (B, T): the base with LoRA disabled, or the frozen copy."""
+    model = ac.ref_model if ac.ref_model is not None else ac.policy
+    with ac.reference_context():
+        hidden = response_slice(backbone_hidden(model, sequences, attention_mask), response_ids.shape[1])
+        logits = lm_logits(model, hidden, temperature)
+    return selective_log_softmax(logits, response_ids)

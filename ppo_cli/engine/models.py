@@ -1,0 +1,273 @@
+"""Loading the four roles: policy, reference, value and (in rewards.py) reward.
+
+With LoRA the policy is a peft model with an adapter named ``policy``; the reference is the same
+base with adapters disabled (no second copy), and the critic can be a second adapter ``value`` on
+that base with a scalar head. Without LoRA the reference is a frozen copy and the critic a separate
+model. Frozen models can be 4-bit/8-bit through bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ppo_cli.errors import ModelLoadError, ModelReferenceError
+from ppo_cli.recipe import LoraConfig, Recipe
+
+POLICY_ADAPTER = "policy"
+VALUE_ADAPTER = "value"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("train.device is 'cuda' but no CUDA device is available", hint="set train.device: auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16_ok else torch.float32
+    return _DTYPES[name]
+
+
+def check_model_reference(path: str) -> None:
+    """Fail early and clearly when a model is neither a local directory nor reachable on the hub."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelReferenceError(f"model path is a file, not a model directory: {path}")
+        if not (local / "config.json").exists() and not (local / "adapter_config.json").exists():
+            raise ModelReferenceError(
+                f"{path}: no config.json here, so it is not a saved model",
+                hint="point at a directory written by save_pretrained (or a hub id)",
+            )
+        return
+    looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
+    if looks_like_path:
+        raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelReferenceError(
+            f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
+            hint="download it first (`hf download`) or point at a local directory",
+        )
+
+
+def _quantization_config(quantization: str, compute_dtype: torch.dtype):
+    if quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO needs the rollout and update forwards to agree, so no dropout anywhere (TRL does the same)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def load_pretrained(
+    auto_class,
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    **kwargs,
+):
+    """``auto_class.from_pretrained`` with our safety defaults: safetensors only, no remote code unless asked."""
+    check_model_reference(path)
+    quant_config = _quantization_config(quantization, dtype)
+    load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, use_safetensors=True, **kwargs)
+    if quant_config is not None:
+        load_kwargs.update(quantization_config=quant_config, device_map={"": device})
+    try:
+        model = auto_class.from_pretrained(path, **load_kwargs)
+    except (OSError, ValueError, RuntimeError, ImportError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"cannot load model '{path}': {first_line}") from err
+    if quant_config is None:
+        model.to(device)
+    disable_dropout(model)
+    return model
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    check_model_reference(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load tokenizer from '{path}': {str(err).splitlines()[0]}") from err
+    if tokenizer.pad_token_id is None:
+        # Masks come from positions, never from comparing ids with pad, so EOS as pad is safe here.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _peft_lora_config(lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (its LoRA layers are injected in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def hidden_size_of(model: nn.Module) -> int:
+    config = unwrap_causal_lm(model).config
+    return getattr(config, "hidden_size", None) or config.get_text_config().hidden_size
+
+
+class ActorCritic(nn.Module):
+    """Policy, value and reference behind one interface, whatever the memory layout.
+
+    ``value_kind``: 'adapter' (LoRA adapter ``value`` on the policy base + head), 'head' (head on the
+    policy's own hidden states: one forward gives logits and values) or 'model' (separate backbone + head).
+    """
+
+    def __init__(self, policy: nn.Module, value_kind: str, value_head: nn.Linear,
+                 value_backbone: nn.Module | None = None, ref_model: nn.Module | None = None):
+        super().__init__()
+        self.policy = policy
+        self.value_kind = value_kind
+        self.value_head = value_head
+        self.value_backbone = value_backbone
+        self.ref_model = ref_model
+        self.is_peft = hasattr(policy, "disable_adapter")
+        self._trainable = [p for p in self.parameters() if p.requires_grad]
+
+    # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
+    # ours must keep their gradients (see shared/platform-notes.md), so restore them after switching.
+    def use_adapter(self, name: str) -> None:
+        if self.is_peft and self.policy.active_adapter != name:
+            self.policy.set_adapter(name)
+            for param in self._trainable:
+                param.requires_grad_(True)
+
+    @contextlib.contextmanager
+    def reference_context(self):
+        """Inside it, ``self.policy`` computes the reference (LoRA disabled) when there is no separate copy."""
+        if self.ref_model is None and self.is_peft:
+            with self.policy.disable_adapter():
+                yield
+        else:
+            yield
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        value_ids = {id(p) for p in self.value_parameters()}
+        return [p for p in self._trainable if id(p) not in value_ids]
+
+    def value_parameters(self) -> list[nn.Parameter]:
+        params = list(self.value_head.parameters())
+        if self.value_backbone is not None:
+            params += [p for p in self.value_backbone.parameters() if p.requires_grad]
+        if self.value_kind == "adapter":
+            params += [p for n, p in self.policy.named_parameters() if f".{VALUE_ADAPTER}." in n and p.requires_grad]
+        return params
+
+
+def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | None = None) -> nn.Linear:
+    head = nn.Linear(hidden_size, 1, bias=True)
+    nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+    nn.init.zeros_(head.bias)
+    score = getattr(init_from, "score", None) if init_from is not None else None
+    if isinstance(score, nn.Linear) and score.out_features == 1:  # a scalar reward model's head (InstructGPT)
+        with torch.no_grad():
+            head.weight.copy_(score.weight.float())
+            if score.bias is not None:
+                head.bias.copy_(score.bias.float())
+    return head.to(device=device, dtype=torch.float32)
+
+
+def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
+    """Load the policy (+LoRA), the reference and the value model as the recipe describes."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    pol = recipe.policy
+    dtype = resolve_dtype(pol.dtype, device)
+    common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
+    policy = load_pretrained(AutoModelForCausalLM, pol.path, dtype=dtype, quantization=pol.quantization, **common)
+    if pol.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if pol.lora is not None:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if pol.quantization != "none":
+            policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
+        policy = get_peft_model(policy, _peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
+    # Train mode everywhere on the policy (dropout is already off): bitsandbytes repacks 4-bit weights
+    # after a no-grad forward in eval mode and then breaks the backward (platform notes).
+    policy.train()
+
+    ref_model = None
+    if pol.lora is None or recipe.reference.path is not None:
+        ref = recipe.reference
+        ref_model = load_pretrained(
+            AutoModelForCausalLM, ref.path or pol.path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
+            quantization=ref.quantization, **common,
+        )
+        ref_model.requires_grad_(False).eval()
+
+    kind = recipe.value_kind
+    value_backbone, init_from = None, None
+    hidden = hidden_size_of(policy)
+    if kind == "adapter":
+        policy.add_adapter(VALUE_ADAPTER, _peft_lora_config(recipe.value.lora or pol.lora))
+        for name, param in policy.named_parameters():  # add_adapter leaves the inactive adapter frozen
+            if "lora_" in name:
+                param.requires_grad_(True)
+    elif kind == "model":
+        value_path = recipe.value.path or (_first_reward_model_path(recipe) if recipe.value.init_from == "reward" else pol.path)
+        value_dtype = resolve_dtype(recipe.value.dtype or pol.dtype, device)
+        value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
+        value_backbone.train()
+        hidden = value_backbone.config.hidden_size
+        if recipe.value.init_from == "reward":
+            from transformers import AutoModelForSequenceClassification
+
+            init_from = load_pretrained(AutoModelForSequenceClassification, value_path, dtype=torch.float32, **common)
+    torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
+    model = ActorCritic(policy, kind, _value_head(hidden, device, init_from), value_backbone, ref_model)
+    model.use_adapter(POLICY_ADAPTER)
+    return model
+
+
+def _first_reward_model_path(recipe: Recipe) -> str:
+    for component in recipe.reward.components:
+        if component.type in ("model", "classifier"):
+            return component.path
+    raise ModelReferenceError(
+        "value.init_from is 'reward' but the reward has no model component",
+        hint="set value.init_from: policy, or value.path",
+    )

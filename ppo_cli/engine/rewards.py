@@ -1,0 +1,187 @@
+"""Rewards: scalar reward models, classifiers with a label->value map, Python functions, penalties.
+
+A reward is a weighted sum of components, minus penalties (missing stop token, over-length).
+Every component's per-episode value is kept so `ppo score` and the metrics can show them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ppo_cli.errors import RecipeError, RewardFunctionError
+from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
+
+
+def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
+    """Import 'package.module:name' or 'path/to/file.py:name' and check it takes (prompts, responses)."""
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
+            module_name = f"ppo_reward_{abs(hash(str(path.resolve())))}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except RewardFunctionError:
+        raise
+    except Exception as err:  # the user's module raised while importing
+        raise RewardFunctionError(
+            f"cannot import reward function module '{target}': {type(err).__name__}: {err}"
+        ) from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"'{target}' has no function '{name}'", hint=f"define def {name}(prompts, responses) -> list[float]")
+    try:
+        inspect.signature(fn).bind(["p"], ["r"])
+    except TypeError:
+        raise RewardFunctionError(
+            f"reward function '{spec}' must take two arguments (prompts, responses)",
+            hint=f"def {name}(prompts: list[str], responses: list[str]) -> list[float]",
+        ) from None
+    return fn
+
+
+class FunctionScorer:
+    def __init__(self, component: FunctionReward):
+        self.spec = component.function
+        self.fn = load_reward_function(component.function)
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        values = self.fn(list(prompts), list(responses))
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function '{self.spec}' must return a list of numbers") from None
+        if len(values) != len(responses):
+            raise RewardFunctionError(
+                f"reward function '{self.spec}' returned {len(values)} values for {len(responses)} responses"
+            )
+        return values
+
+
+class ModelScorer:
+    """A sequence-classification model read as a scalar reward or through a label->value map."""
+
+    def __init__(self, component: ModelReward | ClassifierReward, device: torch.device):
+        from transformers import AutoModelForSequenceClassification
+
+        from ppo_cli.engine.models import load_pretrained, load_tokenizer, resolve_dtype
+
+        self.component = component
+        self.device = device
+        self.tokenizer = load_tokenizer(component.path, trust_remote_code=component.trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        self.model = load_pretrained(
+            AutoModelForSequenceClassification, component.path, dtype=resolve_dtype(component.dtype, device),
+            device=device, quantization=component.quantization, trust_remote_code=component.trust_remote_code,
+        )
+        self.model.requires_grad_(False).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if isinstance(component, ClassifierReward):
+            self.label_values = self._label_values(component)
+        elif self.model.config.num_labels != 1:
+            raise RecipeError(
+                f"reward model '{component.path}' has {self.model.config.num_labels} outputs; type: model needs one",
+                hint="use type: classifier with a labels map for a classifier",
+            )
+
+    def _label_values(self, component: ClassifierReward) -> torch.Tensor:
+        id2label = {int(i): str(label).lower() for i, label in self.model.config.id2label.items()}
+        wanted = {label.lower(): value for label, value in component.labels.items()}
+        unknown = sorted(set(wanted) - set(id2label.values()))
+        if unknown:
+            raise RecipeError(
+                f"reward classifier '{component.path}' has no label(s) {', '.join(unknown)}",
+                hint=f"its labels are: {', '.join(id2label[i] for i in sorted(id2label))}",
+            )
+        return torch.tensor([wanted.get(id2label[i], 0.0) for i in range(len(id2label))], device=self.device)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        use_prompt = isinstance(self.component, ModelReward) or self.component.text == "prompt_and_response"
+        texts = [p + r for p, r in zip(prompts, responses)] if use_prompt else list(responses)
+        values: list[float] = []
+        for start in range(0, len(texts), self.component.batch_size):
+            enc = self.tokenizer(
+                texts[start : start + self.component.batch_size], return_tensors="pt", padding=True,
+                truncation=True, max_length=self.component.max_length,
+            ).to(self.device)
+            logits = self.model(**enc).logits.float()
+            values += self._logits_to_rewards(logits).tolist()
+        return values
+
+    def _logits_to_rewards(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, num_labels) -> (B,): the scalar head, or the label map (seed 003: value x confidence)."""
+        if isinstance(self.component, ModelReward):
+            return logits[:, 0]
+        probs = logits.softmax(dim=-1)
+        if self.component.mode == "expected":
+            return probs @ self.label_values
+        confidence, label = probs.max(dim=-1)
+        value = self.label_values[label]
+        return value * confidence if self.component.scale_by_confidence else value
+
+
+def _component_name(component, index: int, taken: set[str]) -> str:
+    if isinstance(component, FunctionReward):
+        base = component.function.rpartition(":")[2]
+    else:
+        base = f"{component.type}:{Path(component.path.rstrip('/')).name}"
+    name = base if base not in taken else f"{base}#{index}"
+    taken.add(name)
+    return name
+
+
+@dataclass
+class ScoreResult:
+    scores: list[float]  # (B,) the total reward of each episode
+    components: dict[str, list[float]]  # name -> (B,) values before weighting; penalties as negative numbers
+
+
+class RewardStack:
+    """The recipe's reward: components summed with their weights, then the penalties."""
+
+    def __init__(self, config: RewardConfig, device: torch.device):
+        self.config = config
+        taken: set[str] = set()
+        self.scorers = []
+        for index, component in enumerate(config.components):
+            scorer = FunctionScorer(component) if isinstance(component, FunctionReward) else ModelScorer(component, device)
+            self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
+
+    def score(self, prompts: list[str], responses: list[str], finished: list[bool], response_lengths: list[int]) -> ScoreResult:
+        totals = [0.0] * len(responses)
+        components: dict[str, list[float]] = {}
+        for name, weight, scorer in self.scorers:
+            values = scorer(prompts, responses)
+            components[name] = values
+            totals = [t + weight * v for t, v in zip(totals, values)]
+        if self.config.missing_eos_penalty is not None:
+            penalty = [0.0 if done else -self.config.missing_eos_penalty for done in finished]
+            components["missing_eos_penalty"] = penalty
+            totals = [t + p for t, p in zip(totals, penalty)]
+        if self.config.max_response_tokens is not None:
+            limit, amount = self.config.max_response_tokens, self.config.overlength_penalty
+            penalty = [-amount if n > limit else 0.0 for n in response_lengths]
+            components["overlength_penalty"] = penalty
+            totals = [t + p for t, p in zip(totals, penalty)]
+        return ScoreResult(totals, components)
+
+
+def all_finite(values: list[float]) -> bool:
+    return all(math.isfinite(v) for v in values)

@@ -1,0 +1,54 @@
+"""Typed containers passed between the engine and the trainer.
+
+Shapes: B episodes in the batch, P prompt length (left-padded), T response length (right-padded).
+Masks are bool and True means "counts".
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Generation(NamedTuple):
+    """Sampled responses, truncated after the first stop token."""
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P) True on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) pad after the stop token
+    response_mask: torch.Tensor  # (B, T) True on sampled tokens up to and including the stop token
+    finished: torch.Tensor  # (B,) True when the stop token was sampled
+
+    @property
+    def sequences(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:  # (B,)
+        return self.response_mask.sum(dim=1)
+
+
+class Rollout(NamedTuple):
+    """One PPO batch: what the policy did and what it was worth, all frozen (no grad)."""
+
+    generation: Generation
+    prompts: list[str]
+    responses: list[str]
+    logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
+    ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
+    values: torch.Tensor  # (B, T) V_old(state before each response token)
+    scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties
+    score_components: dict[str, list[float]]  # component name -> per-episode value (penalties included)
+
+
+class Advantages(NamedTuple):
+    rewards: torch.Tensor  # (B, T) shaped: -beta*KL per token + score on the last real token
+    non_score_rewards: torch.Tensor  # (B, T) the -beta*KL part alone
+    kl: torch.Tensor  # (B, T) per-token KL estimate to the reference
+    advantages: torch.Tensor  # (B, T) GAE, whitened if asked, 0 outside response_mask
+    returns: torch.Tensor  # (B, T) raw advantages + values: the value targets

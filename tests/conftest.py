@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny local models (built once per script version) and recipe helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """models built by scripts/make_tiny_models.py, cached under .cache/ by the script's hash.
+
+    PPO_TINY_MODELS=DIR uses an existing build instead (handy while editing the build script).
+    """
+    if os.environ.get("PPO_TINY_MODELS"):
+        return Path(os.environ["PPO_TINY_MODELS"])
+    script = ROOT / "scripts" / "make_tiny_models.py"
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    out = ROOT / ".cache" / f"tiny-models-{digest}"
+    if not (out / "policy" / "config.json").exists():
+        subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, cwd=ROOT)
+    return out
+
+
+def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
+    """--set overrides that point a recipe at the tiny models and a temporary run directory."""
+    sets = {
+        "policy.path": str(models / "policy"),
+        "output_dir": str(output_dir),
+        "reward.components": (
+            "[{type: classifier, path: '%s', labels: {negative: -1.0, neutral: 0.1, positive: 10.0}, "
+            "scale_by_confidence: true}]" % (models / "reward")
+        ),
+    }
+    sets.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in sets.items()]

@@ -1,0 +1,111 @@
+"""The four roles on the tiny models: reference by adapter switching, critics, QLoRA, weights that move."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_cli.engine.logprobs import policy_forward, position_ids_from_mask, selective_log_softmax
+from ppo_cli.engine.models import unwrap_causal_lm
+from ppo_cli.engine.session import load_engine
+from ppo_cli.recipe import load_recipe
+from ppo_cli.trainer import init_state, train_step
+from tests.conftest import ROOT, tiny_overrides
+
+PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]
+
+
+@pytest.fixture
+def make_engine(tiny_models, tmp_path):
+    def make(**extra):
+        sets = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1,
+                "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8, **extra}
+        recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
+        torch.manual_seed(0)
+        return load_engine(recipe)
+
+    return make
+
+
+def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _changed(before: dict, module: torch.nn.Module) -> set[str]:
+    return {name for name, p in module.named_parameters() if not torch.equal(before[name], p.detach())}
+
+
+def test_policy_forward_matches_plain_model_logits(make_engine):
+    engine = make_engine(**{"generation.temperature": 0.7})
+    generation = engine.generate(PROMPTS)
+    T = generation.response_ids.shape[1]
+    with torch.no_grad():
+        logits, _ = policy_forward(engine.actor_critic, generation.sequences, generation.attention_mask, T, 0.7)
+        plain = unwrap_causal_lm(engine.actor_critic.policy)(
+            input_ids=generation.sequences, attention_mask=generation.attention_mask.long(),
+            position_ids=position_ids_from_mask(generation.attention_mask),
+        ).logits[:, -T - 1 : -1]
+    torch.testing.assert_close(logits, plain.float() / 0.7, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_reference_equals_policy_at_init_and_first_ratio_is_one(make_engine):
+    engine = make_engine()
+    rollout = engine.collect_rollout(PROMPTS)
+    mask = rollout.generation.response_mask
+    # LoRA B starts at zero: the base with the adapter disabled is the policy itself.
+    torch.testing.assert_close(rollout.logprobs[mask], rollout.ref_logprobs[mask], atol=1e-6, rtol=0)
+    # The update's grad-enabled forward reproduces the rollout's no-grad log-probs (ratio = 1).
+    T = rollout.generation.response_ids.shape[1]
+    logits, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask, T, 1.0)
+    new_logprobs = selective_log_softmax(logits, rollout.generation.response_ids)
+    assert new_logprobs.requires_grad
+    torch.testing.assert_close(new_logprobs.detach()[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
+
+
+def test_one_update_moves_both_adapters_and_head_but_not_the_base(make_engine):
+    engine = make_engine()
+    ac = engine.actor_critic
+    before = _snapshot(ac)
+    state = init_state(engine, PROMPTS)
+    train_step(state)
+    changed = _changed(before, ac)
+    assert any(".policy." in n and "lora_" in n for n in changed), "policy adapter did not train"
+    assert any(".value." in n and "lora_" in n for n in changed), "value adapter did not train"
+    assert {"value_head.weight", "value_head.bias"} <= changed
+    assert not [n for n in changed if "lora_" not in n and not n.startswith("value_head")], "base weights moved"
+
+
+def test_full_finetune_trains_policy_and_value_model_and_keeps_reference_frozen(make_engine):
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto"})
+    ac = engine.actor_critic
+    assert ac.value_kind == "model" and ac.ref_model is not None and ac.value_backbone is not None
+    ref_before, pol_before, val_before = _snapshot(ac.ref_model), _snapshot(ac.policy), _snapshot(ac.value_backbone)
+    train_step(init_state(engine, PROMPTS))
+    assert not _changed(ref_before, ac.ref_model)
+    assert _changed(pol_before, ac.policy)
+    assert _changed(val_before, ac.value_backbone)
+
+
+def test_value_head_on_policy_backbone_gives_values_from_the_same_forward(make_engine):
+    engine = make_engine(**{"value.kind": "head"})
+    rollout = engine.collect_rollout(PROMPTS)
+    assert rollout.values.shape == rollout.logprobs.shape
+    assert rollout.values[rollout.generation.response_mask].abs().sum() > 0
+    metrics, _ = train_step(init_state(engine, PROMPTS))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_qlora_rollout_reference_then_training_step(make_engine):
+    """Platform notes: a 4-bit layer in eval mode repacks after a no-grad forward and breaks the backward."""
+    pytest.importorskip("bitsandbytes")
+    engine = make_engine(**{"policy.quantization": "4bit"})
+    before = _snapshot(engine.actor_critic)
+    rollout = engine.collect_rollout(PROMPTS)  # no-grad generate + policy + reference (adapter disabled)
+    T = rollout.generation.response_ids.shape[1]
+    logits, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask, T, 1.0)
+    new_logprobs = selective_log_softmax(logits, rollout.generation.response_ids)
+    mask = rollout.generation.response_mask
+    torch.testing.assert_close(new_logprobs.detach()[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
+    metrics, _ = train_step(init_state(engine, PROMPTS))
+    assert abs(metrics["val/ratio"] - 1.0) < 0.05
+    assert any("lora_" in n for n in _changed(before, engine.actor_critic))
