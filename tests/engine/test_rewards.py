@@ -1,0 +1,112 @@
+"""Reward components, their weights and penalties, and Python reward functions."""
+
+import textwrap
+
+import pytest
+import torch
+
+from ppo_cli.engine.rewards import ModelScorer, RewardStack, load_reward_function
+from ppo_cli.errors import RecipeError, RewardFunctionError
+from ppo_cli.recipe import ClassifierReward, RewardConfig
+
+
+def _write(tmp_path, body: str):
+    path = tmp_path / "my_reward.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _classifier_scorer(**fields) -> ModelScorer:
+    """A ModelScorer with its label map set by hand: only _logits_to_rewards is exercised."""
+    scorer = ModelScorer.__new__(ModelScorer)
+    scorer.component = ClassifierReward(type="classifier", path="x", labels={"negative": -1, "neutral": 0.1, "positive": 10}, **fields)
+    scorer.label_values = torch.tensor([-1.0, 0.1, 10.0])
+    return scorer
+
+
+def test_classifier_dominant_label_times_confidence_seed_003_scheme():
+    # probs: [0.1, 0.2, 0.7] -> positive, 10 * 0.7 = 7.0; [0.6, 0.3, 0.1] -> negative, -1 * 0.6 = -0.6
+    probs = torch.tensor([[0.1, 0.2, 0.7], [0.6, 0.3, 0.1]])
+    rewards = _classifier_scorer(scale_by_confidence=True)._logits_to_rewards(probs.log())
+    torch.testing.assert_close(rewards, torch.tensor([7.0, -0.6]), atol=1e-6, rtol=0)
+
+
+def test_classifier_without_confidence_and_expected_mode():
+    probs = torch.tensor([[0.1, 0.2, 0.7]])
+    plain = _classifier_scorer()._logits_to_rewards(probs.log())
+    # expected: 0.1 * -1 + 0.2 * 0.1 + 0.7 * 10 = 6.92
+    expected = _classifier_scorer(mode="expected")._logits_to_rewards(probs.log())
+    torch.testing.assert_close(plain, torch.tensor([10.0]))
+    torch.testing.assert_close(expected, torch.tensor([6.92]), atol=1e-6, rtol=0)
+
+
+def test_function_reward_from_file_with_weights_and_penalties(tmp_path):
+    path = _write(tmp_path, """
+        def length_reward(prompts, responses):
+            return [float(len(r)) for r in responses]
+    """)
+    config = RewardConfig(
+        components=[{"type": "function", "function": f"{path}:length_reward", "weight": 0.5}],
+        missing_eos_penalty=10.0, max_response_tokens=3, overlength_penalty=2.0,
+    )
+    result = RewardStack(config, torch.device("cpu")).score(
+        ["p", "p", "p"], ["ab", "abcd", ""], finished=[True, False, True], response_lengths=[2, 4, 1]
+    )
+    # 0.5*2 = 1.0 ; 0.5*4 - 10 (no EOS) - 2 (4 > 3 tokens) = -10.0 ; 0.5*0 = 0.0
+    assert result.scores == [1.0, -10.0, 0.0]
+    assert result.components == {
+        "length_reward": [2.0, 4.0, 0.0],
+        "missing_eos_penalty": [0.0, -10.0, 0.0],
+        "overlength_penalty": [0.0, -2.0, 0.0],
+    }
+
+
+def test_function_reward_from_module_path():
+    fn = load_reward_function("ppo_cli.examples.rewards:positive_words")
+    assert fn(["x", "x"], ["great and wonderful", "terrible"]) == [2.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    "body, spec_name, message",
+    [
+        ("def f(prompts, responses): return []", "g", "has no function 'g'"),
+        ("def f(responses): return []", "f", "must take two arguments (prompts, responses)"),
+        ("raise RuntimeError('boom')", "f", "cannot import reward function module"),
+    ],
+)
+def test_bad_reward_functions_get_one_clear_error(tmp_path, body, spec_name, message):
+    path = _write(tmp_path, body)
+    with pytest.raises(RewardFunctionError, match=None) as info:
+        load_reward_function(f"{path}:{spec_name}")
+    assert message in info.value.message
+
+
+def test_reward_function_returning_wrong_length_is_reported(tmp_path):
+    path = _write(tmp_path, "def f(prompts, responses): return [1.0]")
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:f"}])
+    with pytest.raises(RewardFunctionError, match="returned 1 values for 2 responses"):
+        RewardStack(config, torch.device("cpu")).score(["a", "b"], ["a", "b"], [True, True], [1, 1])
+
+
+def test_missing_reward_function_file(tmp_path):
+    with pytest.raises(RewardFunctionError, match="reward function file not found"):
+        load_reward_function(f"{tmp_path}/nope.py:f")
+
+
+def test_classifier_with_unknown_label_names_lists_the_real_ones(tiny_models):
+    config = RewardConfig(components=[{"type": "classifier", "path": str(tiny_models / "reward"), "labels": {"happy": 1.0}}])
+    with pytest.raises(RecipeError, match="has no label\\(s\\) happy") as info:
+        RewardStack(config, torch.device("cpu"))
+    assert info.value.hint == "its labels are: negative, neutral, positive"
+
+
+def test_tiny_classifier_scores_positive_text_above_negative(tiny_models):
+    config = RewardConfig(components=[{
+        "type": "classifier", "path": str(tiny_models / "reward"),
+        "labels": {"negative": -1.0, "neutral": 0.1, "positive": 10.0}, "scale_by_confidence": True,
+    }])
+    stack = RewardStack(config, torch.device("cpu"))
+    first = stack.score(["The movie was"] * 2, [" wonderful and I loved it.", " boring and awful."], [True, True], [5, 4])
+    again = stack.score(["The movie was"] * 2, [" wonderful and I loved it.", " boring and awful."], [True, True], [5, 4])
+    assert first.scores[0] > 5.0 > 0 > first.scores[1]
+    assert first.scores == again.scores
