@@ -122,7 +122,7 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
             tmp / "training_state.pt",
         )
         trainer_state = {
-            "step": state.step, "episodes": state.episodes,
+            "step": state.step, "episodes": state.episodes, "consecutive_skips": state.consecutive_skips,
             "kl_controller": state.kl_controller.state_dict(), "sampler": state.sampler.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
@@ -137,3 +137,101 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
     for old in complete[:-keep]:
         shutil.rmtree(old)
     return final_dir
+
+
+# --- resume --------------------------------------------------------------------------------------
+
+
+def verify_manifest(directory: Path) -> dict:
+    """The manifest, after checking every file it lists has its size and checksum; else CheckpointError."""
+    from ppo_cli.errors import CheckpointError
+
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST}, so the checkpoint is incomplete", hint="resume from an earlier checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{manifest_path}: not a valid manifest") from None
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: {name} is listed in the manifest but missing")
+        if path.stat().st_size != expected["size"] or _sha256(path) != expected["sha256"]:
+            raise CheckpointError(
+                f"{directory}: {name} does not match its manifest (size or checksum differs)",
+                hint="the checkpoint was changed or damaged; resume from another one (--resume PATH)",
+            )
+    return manifest
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The newest step-N directory with a manifest (an interrupted write has none)."""
+    complete = sorted(p for p in checkpoints_dir.glob("step-*") if (p / MANIFEST).is_file())
+    return complete[-1] if complete else None
+
+
+def _load_safetensors_into(module: torch.nn.Module, files: list[Path]) -> None:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in files:
+        state.update(load_file(file))
+    result = module.load_state_dict(state, strict=False)
+    tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        from ppo_cli.errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint weights do not fit the model (missing {sorted(result.missing_keys)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]})",
+            hint="resume with the recipe the run was started with",
+        )
+
+
+def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
+    """Inverse of save_policy_and_value, into already-built models."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if ac.is_peft:
+        set_peft_model_state_dict(ac.policy, load_file(directory / "adapter_model.safetensors"), adapter_name=POLICY_ADAPTER)
+        if ac.value_kind == "adapter":
+            state = load_file(directory / "value_adapter" / "adapter_model.safetensors")
+            set_peft_model_state_dict(ac.policy, state, adapter_name=VALUE_ADAPTER)
+    else:
+        weights = sorted(p for p in directory.glob("*.safetensors") if p.name != "value_head.safetensors")
+        _load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
+    if ac.value_backbone is not None:
+        _load_safetensors_into(ac.value_backbone, sorted((directory / "value_model").glob("*.safetensors")))
+    ac.value_head.load_state_dict(load_file(directory / "value_head.safetensors"))
+
+
+def restore_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate((state["python_version"], tuple(state["python"][:-1]), state["python"][-1]))
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype("uint32"), numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(state, directory: Path) -> None:
+    """Put a TrainState back exactly as it was when ``directory`` was saved."""
+    verify_manifest(directory)
+    load_policy_and_value(state.engine.actor_critic, directory)
+    # weights_only: a checkpoint is data, never code.
+    training = torch.load(directory / "training_state.pt", map_location=state.engine.device, weights_only=True)
+    state.optimizer.load_state_dict(training["optimizer"])
+    state.scheduler.load_state_dict(training["scheduler"])
+    trainer_state = json.loads((directory / "trainer_state.json").read_text())
+    state.step, state.episodes = trainer_state["step"], trainer_state["episodes"]
+    state.consecutive_skips = trainer_state.get("consecutive_skips", 0)
+    state.kl_controller.load_state_dict(trainer_state["kl_controller"])
+    state.sampler.load_state_dict(trainer_state["sampler"])
+    restore_rng_state(training["rng"])

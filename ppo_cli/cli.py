@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from ppo_cli import __version__
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -120,10 +120,14 @@ def train(
         typer.Option(
             "--resume",
             metavar="CHECKPOINT",
-            help="Resume from a checkpoint directory, or 'latest' for this run's latest checkpoint.",
+            help="Resume from this run's latest complete checkpoint (bare --resume), or from a "
+            "checkpoint or run directory.",
             show_default=False,
         ),
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="With --resume: accept a recipe that differs from the saved one.")
+    ] = False,
 ) -> None:
     """Train a policy with PPO as the recipe says; writes output_dir/name/."""
     from ppo_cli.recipe import load_recipe
@@ -131,17 +135,185 @@ def train(
     resolved = load_recipe(recipe, overrides or ())
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
-    run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume)
+    run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)
 
 
-# `ppo rollout | score | eval | compare` go here, one short function each, in the same shape:
-# parse -> load_recipe -> `from ppo_cli.commands.<name> import run` (inside the function) -> print.
+# --- rollout / score / eval / compare: models on prompts, composed through JSONL files ----------
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        help="base | aligned (of --run, default the latest run) | a run or checkpoint directory | "
+        "a local model directory | a hub id.",
+        show_default=False,
+    ),
+]
+PromptsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--prompts", help="Prompts: .txt (one per line), .jsonl or a dataset directory. "
+                 "Default: the recipe's data.eval_prompts, else data.prompts.", show_default=False),
+]
+FieldOpt = Annotated[Optional[str], typer.Option("--field", help="Prompt field of .jsonl rows. Default: the recipe's data.field.", show_default=False)]
+RunOpt = Annotated[
+    Optional[Path],
+    typer.Option("--run", help="Run directory that base/aligned refer to. Default: the most recently modified run "
+                 "under the recipe's output_dir (runs/).", show_default=False),
+]
+RecipeOpt = Annotated[
+    Optional[Path],
+    typer.Option("--recipe", help="Recipe for the reward, tokenizer options and generation settings. "
+                 "Default: the model's run's recipe.yaml.", show_default=False),
+]
+MaxNewTokensOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Override generation.max_new_tokens.", show_default=False)]
+TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", help="Override generation.temperature (> 0).", show_default=False)]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed. Default: the recipe's seed.", show_default=False)]
+NumSamplesOpt = Annotated[int, typer.Option("--num-samples", min=1, help="Responses per prompt.")]
+BatchSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--batch-size", min=1, help="Prompts per generation batch. Default: the recipe's ppo.rollout_batch_size.", show_default=False),
+]
+
+
+@app.command()
+def rollout(
+    model: ModelArg,
+    out: Annotated[Path, typer.Option("--out", help="Output JSONL file (written whole or not at all).", show_default=False)],
+    prompts: PromptsOpt = None, field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None,
+    overrides: OverridesOpt = None, max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None,
+    seed: SeedOpt = None, num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
+) -> None:
+    """Sample responses from MODEL; one JSON object per (prompt, sample) in --out."""
+    from ppo_cli.runs import check_output_path
+
+    check_output_path(out)
+    resolved, (model_ref,) = _recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = _prompts(prompts, field, resolved)
+    from ppo_cli import report
+    from ppo_cli.commands.rollout import run as run_rollout
+
+    settings = _sampling(resolved, num_samples, batch_size)
+    with report.progress_bar("rollout", len(prompt_list) * num_samples) as advance:
+        result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance)
+    report.print_rollout(str(result.out), result.rows, result.prompts, result.model)
+
+
+@app.command()
+def score(
+    rollouts: Annotated[Path, typer.Argument(metavar="ROLLOUTS", help="A JSONL file written by `ppo rollout`.", show_default=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output JSONL file. Default: ROLLOUTS with .scored.jsonl.", show_default=False)] = None,
+    recipe: RecipeOpt = None, run: RunOpt = None, overrides: OverridesOpt = None,
+) -> None:
+    """Add reward and reward_components (penalties included) to every row, with the recipe's reward."""
+    from ppo_cli.runs import check_output_path
+
+    out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
+    resolved, _ = _recipe_and_models([], run, recipe, overrides)
+    from ppo_cli import report
+    from ppo_cli.commands.score import run as run_score
+
+    result = run_score(resolved, rollouts, out)
+    report.print_score(str(result.out), result.rows, result.mean_reward, result.components)
+
+
+@app.command(name="eval")
+def eval_(
+    model: ModelArg, prompts: PromptsOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="JSON summary file. Default: eval-<MODEL>.json.", show_default=False)] = None,
+    field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None, overrides: OverridesOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
+    num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
+) -> None:
+    """Sample, score and summarise MODEL: reward statistics, EOS rate, length, KL, distinct-n."""
+    from ppo_cli.runs import check_output_path
+
+    out = check_output_path(out or Path(f"eval-{_slug(model)}.json"))
+    resolved, (model_ref,) = _recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = _prompts(prompts, field, resolved)
+    from ppo_cli import report
+    from ppo_cli.commands.eval import run as run_eval
+
+    with report.progress_bar("eval", len(prompt_list) * num_samples) as advance:
+        result = run_eval(resolved, model_ref, prompt_list, _sampling(resolved, num_samples, batch_size),
+                          prompts_source=source, out=out, progress=advance)
+    report.print_eval(result.summary, str(result.out))
+
+
+@app.command()
+def compare(
+    model_a: Annotated[str, typer.Argument(metavar="A", help="First model (see MODEL in `ppo eval --help`), e.g. base.", show_default=False)],
+    model_b: Annotated[str, typer.Argument(metavar="B", help="Second model, e.g. aligned.", show_default=False)],
+    prompts: PromptsOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for compare.md, compare.json and rows.jsonl.", show_default=False)] = None,
+    field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None, overrides: OverridesOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
+    num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
+) -> None:
+    """Both models on the same prompts and seed, side by side, with reward difference and win rate."""
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; compare writes a directory", hint="give a directory name, e.g. --out compare-out")
+    resolved, models = _recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = _prompts(prompts, field, resolved)
+    from ppo_cli import report
+    from ppo_cli.commands.compare import run as run_compare
+
+    with report.progress_bar("compare", 2 * len(prompt_list) * num_samples) as advance:
+        result = run_compare(resolved, *models, prompt_list, _sampling(resolved, num_samples, batch_size),
+                             prompts_source=source, out_dir=out, progress=advance)
+    report.print_compare(result.a, result.b, result.difference, result.pairs, [str(f) for f in result.files])
+
+
+def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
+    """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
+    from ppo_cli import report
+    from ppo_cli.recipe import load_recipe
+    from ppo_cli.runs import recipe_for_models, resolve_model_reference
+
+    if temperature is not None and not temperature > 0:
+        raise UsageError(f"--temperature must be > 0, got {temperature:g}", hint="sampling needs a positive temperature; 1.0 samples as trained")
+    flags = {"generation.max_new_tokens": max_new_tokens, "generation.temperature": temperature, "seed": seed}
+    sets = [*(overrides or ()), *(f"{key}={value}" for key, value in flags.items() if value is not None)]
+    loaded = load_recipe(recipe_path, sets) if recipe_path is not None else None
+    root = loaded.output_dir if loaded is not None else "runs"
+    models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
+    if loaded is None:
+        recipe_path = recipe_for_models(models, run, output_root=root)
+        loaded = load_recipe(recipe_path, sets)
+    report.note(f"recipe: {recipe_path}")
+    for model in models:
+        report.note(f"model: {model.describe()}")
+    return loaded, models
+
+
+def _prompts(path, field, recipe) -> tuple[list[str], str]:
+    from ppo_cli import report
+    from ppo_cli.engine.data import read_prompts  # no torch: data.py reads files only
+
+    path = path or recipe.data.eval_prompts or recipe.data.prompts
+    prompt_set = read_prompts(path, field or recipe.data.field)
+    if prompt_set.skipped_blank:
+        n = prompt_set.skipped_blank
+        report.note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
+    return prompt_set.prompts, str(path)
+
+
+def _sampling(recipe, num_samples: int, batch_size: int | None):
+    from ppo_cli.commands.rollout import SamplingSettings
+
+    return SamplingSettings(recipe.seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
+
+
+def _slug(reference: str) -> str:
+    """'aligned' -> 'aligned'; 'runs/x/final' -> 'runs-x-final': a file-name-safe model name."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", reference.strip("/.")).strip("-") or "model"
 
 
 def main(argv: list[str] | None = None) -> None:
     """The `ppo` console script. Errors are mapped to one line in ``_OneLineErrors``; this is the
     last resort for anything raised outside a subcommand."""
-    args = _debug_first(list(sys.argv[1:] if argv is None else argv))
+    args = _bare_resume(_debug_first(list(sys.argv[1:] if argv is None else argv)))
     try:
         app(args=args, prog_name="ppo")
     except (Exception, KeyboardInterrupt) as err:
@@ -197,6 +369,17 @@ def _debug_first(args: list[str]) -> list[str]:
     if "--debug" in args[:end]:
         args = ["--debug"] + [a for i, a in enumerate(args) if a != "--debug" or i >= end]
     return args
+
+
+def _bare_resume(args: list[str]) -> list[str]:
+    """`ppo train r.yaml --resume` (no value) means the latest checkpoint: click options need a value."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--resume" and (following is None or following.startswith("-")):
+            out.append("latest")
+    return out
 
 
 def _env_debug() -> bool:

@@ -58,3 +58,9 @@ class RewardFunctionError(UsageError):
 
 class TrainingError(PpoError):
     """Training cannot go on (for example, repeated non-finite updates)."""
+
+
+class Interrupted(PpoError):
+    """Stopped by Ctrl-C / SIGTERM after saving a checkpoint."""
+
+    exit_code = EXIT_INTERRUPTED

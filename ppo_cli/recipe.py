@@ -246,6 +246,9 @@ class TrainConfig(Section):
     num_samples: int = Field(4, ge=0, description="Samples written each time.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads. Default: torch's.")
+    max_consecutive_skips: int = Field(
+        3, gt=0, description="Stop after this many updates in a row skipped for non-finite numbers."
+    )
 
 
 class Recipe(Section):

@@ -11,17 +11,21 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.errors import UsageError
+import yaml
 
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "summary.json")
+from ppo_cli.errors import ModelReferenceError, UsageError
+
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.json", "summary.json")
 RUN_DIRS = ("checkpoints", "final", "plots")
 
 
@@ -106,3 +110,253 @@ def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
 def read_jsonl(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# --- output files written whole or not at all ---
+
+
+def check_output_path(path: Path, option: str = "--out") -> Path:
+    """Fail before any model loads when ``path`` cannot be an output file (a directory, an unwritable folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a directory", hint=f"give a file name, e.g. {option} {path / 'out.jsonl'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"{option} {path}: cannot write to {existing}", hint="check the path and its permissions")
+    return path
+
+
+class AtomicJsonlWriter:
+    """JSONL rows go to a temporary file beside ``path``, renamed onto it only when the block ends cleanly.
+
+    On any exception (or Ctrl-C) the temporary file is deleted and an existing ``path`` is left as it
+    was, so a reader never finds half an output file.
+
+        with AtomicJsonlWriter(out) as writer:
+            writer.write({"prompt": ..., "response": ...})
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._tmp: Path | None = None
+        self._file = None
+        self.rows = 0
+
+    def __enter__(self) -> "AtomicJsonlWriter":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self._tmp, self._file = Path(tmp), os.fdopen(fd, "w", encoding="utf-8")
+        return self
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, ensure_ascii=False) + "\n")
+        self.rows += 1
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            self._file.close()
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+        finally:
+            if self._tmp is not None and self._tmp.exists():
+                self._tmp.unlink()
+
+
+def write_jsonl_atomic(path: Path, rows) -> int:
+    """Write ``rows`` (dicts) as JSONL in one atomic step; return how many were written."""
+    with AtomicJsonlWriter(path) as writer:
+        for row in rows:
+            writer.write(row)
+    return writer.rows
+
+
+# --- model references: base / aligned / run dir / checkpoint / local model / hub id -> paths ---
+
+MODEL_ALIASES = ("base", "aligned")
+MODEL_REFERENCE_HINT = (
+    "a model is 'base' or 'aligned' (of --run DIR, default the latest run), a run or checkpoint directory, "
+    "a local model directory, or a hub id"
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model reference points. The weights are ``adapter_dir`` applied on ``base_path``,
+    or ``full_model_dir``, or ``base_path`` itself; ``base_path`` is what the model was trained from."""
+
+    reference: str  # as given on the command line: 'aligned', 'runs/x/final', 'gpt2'
+    kind: str  # 'base' | 'aligned' | 'checkpoint' | 'model' | 'hub'
+    base_path: str
+    adapter_dir: Path | None = None
+    full_model_dir: Path | None = None
+    recipe_path: Path | None = None  # the resolved recipe of the run the model belongs to
+    run_dir: Path | None = None
+
+    @property
+    def weights_path(self) -> str:
+        """The directory (or hub id) whose weights are loaded first."""
+        return str(self.full_model_dir) if self.full_model_dir is not None else self.base_path
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The model's own tokenizer when saved beside it (final/, checkpoints), else the base's."""
+        for directory in (self.full_model_dir, self.adapter_dir):
+            if directory is not None and (directory / "tokenizer_config.json").exists():
+                return str(directory)
+        return self.base_path
+
+    def describe(self) -> str:
+        """One line for people: 'aligned = runs/x/final (LoRA adapter on models/tiny/policy)'."""
+        if self.adapter_dir is not None:
+            where = f"{self.adapter_dir} (LoRA adapter on {self.base_path})"
+        elif self.full_model_dir is not None:
+            where = f"{self.full_model_dir} (fine-tuned from {self.base_path})"
+        else:
+            where = self.base_path + (" (hub)" if self.kind == "hub" else "")
+        return where if self.reference == where else f"{self.reference} = {where}"
+
+
+def _run_mtime(run: Path) -> float:
+    return max(p.stat().st_mtime for p in (run, run / "recipe.yaml", run / "metrics.jsonl", run / "final") if p.exists())
+
+
+def latest_run(output_root: str | Path = "runs") -> Path:
+    """The most recently modified run directory under ``output_root``."""
+    root = Path(output_root)
+    runs = [p for p in root.iterdir() if p.is_dir() and RunDir(p).recipe.exists()] if root.is_dir() else []
+    if not runs:
+        raise ModelReferenceError(
+            f"no run found under {root}/", hint="train one with `ppo train RECIPE`, or point at a run with --run DIR"
+        )
+    return max(runs, key=_run_mtime)
+
+
+def open_run(run_dir: str | Path) -> Path:
+    """Check that ``run_dir`` is a run directory (it has the run's recipe.yaml)."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise ModelReferenceError(f"run directory not found: {run}", hint="check --run (relative to the current directory)")
+    if not RunDir(run).recipe.exists():
+        raise ModelReferenceError(
+            f"{run} is not a run directory (no recipe.yaml)", hint="--run takes a directory written by `ppo train`, e.g. runs/NAME"
+        )
+    return run
+
+
+def run_policy_path(run: Path) -> str:
+    """The model a run trained from: final/ppo_cli.json's policy_path, else policy.path in its recipe."""
+    info = RunDir(run).final / "ppo_cli.json"
+    if info.exists():
+        try:
+            return str(json.loads(info.read_text(encoding="utf-8"))["policy_path"])
+        except (ValueError, KeyError, TypeError):
+            pass  # fall back to the recipe
+    try:
+        return str(yaml.safe_load(RunDir(run).recipe.read_text(encoding="utf-8"))["policy"]["path"])
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        raise ModelReferenceError(f"{RunDir(run).recipe}: cannot read policy.path from the run's recipe") from None
+
+
+def _owning_run(directory: Path) -> Path | None:
+    """The run a final/, final/merged/ or checkpoints/step-N/ directory belongs to."""
+    if directory.name in ("", ".", ".."):  # keep paths as the user wrote them, unless they say nothing
+        directory = directory.resolve()
+    if directory.name == "final":
+        candidate = directory.parent
+    elif directory.parent.name == "checkpoints" or (directory.name == "merged" and directory.parent.name == "final"):
+        candidate = directory.parent.parent
+    else:
+        return None
+    return candidate if RunDir(candidate).recipe.exists() else None
+
+
+def _resolve_alias(ref: str, run_dir: str | Path | None, output_root: str | Path) -> ResolvedModel:
+    run = open_run(run_dir) if run_dir is not None else latest_run(output_root)
+    if ref == "base":
+        return ResolvedModel(ref, "base", run_policy_path(run), recipe_path=RunDir(run).recipe, run_dir=run)
+    return _resolve_directory(ref, run, "aligned")
+
+
+def _resolve_directory(ref: str, directory: Path, kind: str | None = None) -> ResolvedModel:
+    if RunDir(directory).recipe.exists():  # a run directory stands for its final model
+        final = RunDir(directory).final
+        if not (final / "manifest.json").exists() and not (final / "adapter_config.json").exists():
+            checkpoints = sorted(RunDir(directory).checkpoints.glob("step-*"))
+            hint = f"use a checkpoint instead, e.g. {checkpoints[-1]}" if checkpoints else "the run may still be training or have stopped before saving"
+            raise ModelReferenceError(f"run {directory} has no final/ model", hint=hint)
+        return _resolve_directory(ref, final, kind or "aligned")
+    run = _owning_run(directory)
+    recipe_path = RunDir(run).recipe if run is not None else None
+    if (directory / "adapter_config.json").exists():
+        base = run_policy_path(run) if run is not None else _adapter_base(directory)
+        kind = kind or ("checkpoint" if directory.parent.name == "checkpoints" else "aligned")
+        return ResolvedModel(ref, kind, base, adapter_dir=directory, recipe_path=recipe_path, run_dir=run)
+    if (directory / "config.json").exists():
+        if run is None:
+            return ResolvedModel(ref, "model", str(directory))
+        kind = kind or ("checkpoint" if directory.parent.name == "checkpoints" else "aligned")
+        return ResolvedModel(ref, kind, run_policy_path(run), full_model_dir=directory, recipe_path=recipe_path, run_dir=run)
+    raise ModelReferenceError(
+        f"{ref}: not a model, run or checkpoint directory (no config.json or adapter_config.json)", hint=MODEL_REFERENCE_HINT
+    )
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    try:
+        base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        base = None
+    if not base:
+        raise ModelReferenceError(f"{adapter_dir}: the adapter does not name its base model (base_model_name_or_path)")
+    return str(base)
+
+
+def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, output_root: str | Path = "runs") -> ResolvedModel:
+    """Turn a MODEL argument into paths, without loading anything.
+
+    ``base`` / ``aligned`` are the policy a run started from and the run's final/ policy, for the run
+    at ``run_dir`` or else the most recently modified run under ``output_root``. A run directory means
+    its final/ model; final/ and checkpoints/step-N/ hold a LoRA adapter (its base is the run's
+    policy) or full weights; any other directory with a config.json is a plain local model; anything
+    else that looks like ``org/name`` is a hub id.
+    """
+    if ref in MODEL_ALIASES:
+        return _resolve_alias(ref, run_dir, output_root)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _resolve_directory(ref, path)
+    if path.exists():
+        raise ModelReferenceError(f"model reference {ref} is a file, not a model directory", hint=MODEL_REFERENCE_HINT)
+    looks_like_path = ref.startswith((".", "/", "~")) or ref.endswith("/") or ref.count("/") > 1 or "\\" in ref
+    if looks_like_path:
+        raise ModelReferenceError(f"model directory not found: {ref}", hint="check the path (relative to the current directory)")
+    close = difflib.get_close_matches(ref, MODEL_ALIASES, n=1, cutoff=0.6)
+    if close or not _HUB_ID.match(ref):
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ModelReferenceError(f"unknown model reference '{ref}'", hint=hint + MODEL_REFERENCE_HINT)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelReferenceError(
+            f"unknown model reference '{ref}': not base/aligned, not a directory, and the hub is offline (HF_HUB_OFFLINE=1)",
+            hint=MODEL_REFERENCE_HINT,
+        )
+    return ResolvedModel(ref, "hub", ref)
+
+
+def recipe_for_models(models: list[ResolvedModel], run_dir: str | Path | None = None, *, output_root: str | Path = "runs") -> Path:
+    """The recipe that sets reward, tokenizer options and generation when --recipe is not given:
+    the first model's run, else --run DIR's, else the latest run's."""
+    for model in models:
+        if model.recipe_path is not None:
+            return model.recipe_path
+    try:
+        run = open_run(run_dir) if run_dir is not None else latest_run(output_root)
+    except ModelReferenceError as err:
+        names = ", ".join(m.reference for m in models)
+        what = f"no recipe for {names}: it is not part of a run, and {err.message}" if names else f"no recipe: {err.message}"
+        raise ModelReferenceError(what, hint="pass --recipe RECIPE for the reward and generation settings (or --run DIR)") from None
+    return RunDir(run).recipe

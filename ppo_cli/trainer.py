@@ -25,6 +25,7 @@ from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import policy_forward, selective_log_softmax, value_forward
 from ppo_cli.engine.session import Engine
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
+from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -86,7 +87,10 @@ class UpdateStats:
 
     values: dict[str, list[float]] = field(default_factory=dict)
     epochs_run: int = 0
+    micro_batches_per_step: int = 1  # the first this many entries come before any optimizer step
     grad_norms: list[float] = field(default_factory=list)
+    optimizer_steps: int = 0
+    skipped_steps: int = 0  # optimizer steps dropped for a non-finite loss or gradient
 
     def add(self, **stats: torch.Tensor) -> None:
         for name, value in stats.items():
@@ -123,18 +127,26 @@ def micro_batch_loss(engine: Engine, rollout: Rollout, adv: Advantages, rows: to
 def optimise(engine: Engine, optimizer, rollout: Rollout, adv: Advantages) -> UpdateStats:
     ppo, max_grad_norm = engine.recipe.ppo, engine.recipe.optim.max_grad_norm
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    batch_size, stats = len(rollout.prompts), UpdateStats()
+    batch_size, stats = len(rollout.prompts), UpdateStats(micro_batches_per_step=ppo.grad_accum_steps)
     for epoch in range(ppo.ppo_epochs):
         epoch_start = len(stats.values.get("approx_kl", []))
         order = torch.randperm(batch_size, device=engine.device)
         for mini_batch in order.split(ppo.mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
+            losses = []
             for rows in mini_batch.split(ppo.micro_batch_size):
                 loss = micro_batch_loss(engine, rollout, adv, rows, stats)
                 (loss / ppo.grad_accum_steps).backward()
-            if max_grad_norm is not None:
-                stats.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
+                losses.append(loss.detach())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+            # One NaN step would poison the weights for good: drop the step instead.
+            if not (torch.isfinite(torch.stack(losses)).all() and torch.isfinite(grad_norm)):
+                stats.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            stats.grad_norms.append(float(grad_norm))
             optimizer.step()
+            stats.optimizer_steps += 1
         stats.epochs_run = epoch + 1
         epoch_kl = stats.values["approx_kl"][epoch_start:]
         # seed 003: stop reusing this batch once the policy has moved too far from the rollout policy.
@@ -164,6 +176,8 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float) -> dict[s
         "val/mean": masked_mean(rollout.values, mask).item(),
         "eos_rate": rollout.generation.finished.float().mean().item(),
         "response_length": mask.sum(dim=1).float().mean().item(),
+        "samples/distinct_1": distinct_n(rollout.responses, 1),
+        "samples/distinct_2": distinct_n(rollout.responses, 2),
     }
     for name, values in rollout.score_components.items():
         metrics[f"reward/{name}"] = sum(values) / len(values)
@@ -179,7 +193,11 @@ def update_metrics(stats: UpdateStats) -> dict[str, float]:
         "loss/value_avg": stats.mean("value_loss"),
         "val/clipfrac_avg": stats.mean("value_clipfrac"),
         "val/ratio": stats.mean("ratio"),
+        # Before the first optimizer step the policy is the rollout policy, so this is 1 up to numerics;
+        # far from 1 means rollout and update compute log-probs differently (seed 001: temperature).
+        "val/ratio_first_minibatch": sum(stats.values["ratio"][: stats.micro_batches_per_step]) / stats.micro_batches_per_step,
         "ppo/epochs_run": stats.epochs_run,
+        "ppo/skipped_steps": stats.skipped_steps,
     }
     if stats.grad_norms:
         metrics["policy/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
@@ -201,6 +219,8 @@ class TrainState:
     kl_controller: object
     step: int = 0  # updates completed
     episodes: int = 0
+    consecutive_skips: int = 0
+    last_skip_reason: str | None = None
 
 
 def init_state(engine: Engine, prompts: list[str]) -> TrainState:
@@ -228,10 +248,21 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     kl_coef = state.kl_controller.value
     adv = compute_advantages(rollout, kl_coef, recipe.ppo)
 
-    stats = optimise(engine, state.optimizer, rollout, adv)
+    skip_reason = find_non_finite(rollout, adv)
+    stats = optimise(engine, state.optimizer, rollout, adv) if skip_reason is None else None
+    if stats is not None and stats.optimizer_steps == 0:
+        skip_reason = "non-finite loss or gradients"
 
-    metrics = {**rollout_metrics(rollout, adv, kl_coef), **update_metrics(stats)}
-    state.kl_controller.update(metrics["objective/kl"], len(prompts))
+    metrics = rollout_metrics(rollout, adv, kl_coef)
+    if stats is not None:
+        metrics.update(update_metrics(stats))
+    metrics["skipped"] = int(skip_reason is not None)
+    if skip_reason is None:
+        state.consecutive_skips, state.last_skip_reason = 0, None
+        state.kl_controller.update(metrics["objective/kl"], len(prompts))
+    else:
+        metrics["skip_reason"] = skip_reason
+        state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
     metrics["lr"] = state.optimizer.param_groups[0]["lr"]
     state.scheduler.step()
     state.step += 1
@@ -250,6 +281,45 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     return metrics, rollout
 
 
+# seed 001, "The knobs that break runs": what usually makes PPO numbers blow up, and the fix.
+LIKELY_CAUSES = {
+    "non-finite rewards": "the reward returned NaN or inf: check the reward function or model on these "
+    "responses (empty responses are a common trigger)",
+    "non-finite values": "the value head is diverging: lower optim.value_lr or ppo.vf_coef, keep "
+    "ppo.cliprange_value small, or set ppo.whiten_rewards: true",
+    "non-finite log-probs": "the policy's logits overflowed: the learning rate is too high (lower optim.lr) "
+    "or float16 overflowed (use bfloat16)",
+    "non-finite advantages": "rewards or values are exploding: set ppo.whiten_rewards: true and check the reward scale",
+    "non-finite loss or gradients": "the learning rate is too high or the KL penalty too small: lower optim.lr, "
+    "set optim.max_grad_norm, raise ppo.kl_coef",
+}
+
+
+def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
+    """The first non-finite quantity of a rollout, by name, or None when all are finite."""
+    mask = rollout.generation.response_mask
+    checks = (
+        ("non-finite rewards", rollout.scores),
+        ("non-finite values", rollout.values[mask]),
+        ("non-finite log-probs", torch.cat([rollout.logprobs[mask], rollout.ref_logprobs[mask]])),
+        ("non-finite advantages", adv.advantages[mask]),
+    )
+    for reason, tensor in checks:
+        if not torch.isfinite(tensor).all():
+            return reason
+    return None
+
+
 def train(state: TrainState) -> Iterator[tuple[dict[str, float], Rollout]]:
+    """Updates until total_updates; stops with a diagnostic after too many skipped updates in a row."""
+    from ppo_cli.errors import TrainingError
+
+    limit = state.recipe.train.max_consecutive_skips
     while state.step < state.recipe.train.total_updates:
         yield train_step(state)
+        if state.consecutive_skips >= limit:
+            raise TrainingError(
+                f"stopped at update {state.step}: {state.consecutive_skips} updates in a row skipped for "
+                f"{state.last_skip_reason}",
+                hint=f"likely cause: {LIKELY_CAUSES[state.last_skip_reason]}; the last checkpoint is intact",
+            )

@@ -1,17 +1,27 @@
-"""`ppo train`: check everything cheap, load the engine, run the PPO loop, save final/."""
+"""`ppo train`: check everything cheap, load the engine, run the PPO loop, save final/.
+
+Order matters for people: every check that needs no model (recipe, paths, prompts, reward
+function, output directory, checkpoint to resume) runs before the first model is loaded.
+"""
 
 from __future__ import annotations
 
 import json
 import random
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.errors import UsageError
-from ppo_cli.recipe import Recipe, dump_resolved
+from ppo_cli.errors import CheckpointError, Interrupted, UsageError
+from ppo_cli.recipe import Recipe, dump_resolved, load_recipe
+
+# Keys that may change between a run and its resume: how long it runs and how it logs.
+RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
+                     "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
+                     "train.num_threads", "monitor.", "logging.")
 
 
 @dataclass
@@ -31,6 +41,9 @@ def peak_memory_gb() -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
+# --- before any model is loaded ------------------------------------------------------------------
+
+
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
     from ppo_cli.engine.data import read_prompts
@@ -48,6 +61,73 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
         else:
             check_model_reference(component.path)
     return prompts, eval_prompts
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
+    """'key: saved -> new' for every setting that changes what the run computes."""
+    old_flat, new_flat = _flatten(saved.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    keys = sorted(set(old_flat) | set(new_flat))
+    return [
+        f"{key}: {old_flat.get(key)!r} -> {new_flat.get(key)!r}"
+        for key in keys
+        if old_flat.get(key) != new_flat.get(key) and not key.startswith(RESUMABLE_CHANGES)
+    ]
+
+
+def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
+    """The checkpoint to resume: 'latest' (or the run directory) or one checkpoints/step-N of this run."""
+    from ppo_cli.checkpoint import latest_checkpoint, verify_manifest
+    from ppo_cli.runs import RunDir
+
+    run = RunDir(recipe.run_dir)
+    if resume == "latest" or Path(resume).resolve() == run.path.resolve():
+        checkpoint = latest_checkpoint(run.checkpoints)
+        if checkpoint is None:
+            raise CheckpointError(
+                f"no complete checkpoint to resume in {run.checkpoints}",
+                hint="set train.save_every to write checkpoints, or start again with --overwrite",
+            )
+    else:
+        checkpoint = Path(resume)
+        if not checkpoint.is_dir():
+            raise CheckpointError(f"checkpoint not found: {resume}", hint=f"give a directory under {run.checkpoints}")
+        if checkpoint.resolve().parent != run.checkpoints.resolve():
+            raise UsageError(f"{resume} is not a checkpoint of run {run.path}",
+                             hint="resume with the recipe (name, output_dir) of the run it belongs to")
+    verify_manifest(checkpoint)
+    if not run.recipe.exists():
+        raise CheckpointError(f"{run.recipe} is missing, so the run cannot be resumed safely")
+    differences = recipe_differences(load_recipe(run.recipe), recipe)
+    if differences and not force:
+        raise UsageError(
+            f"the recipe differs from the one the run started with: {'; '.join(differences)}",
+            hint="resume with the same recipe, or pass --force to accept the differences",
+        )
+    return checkpoint
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop lines written after the checkpoint, so a resumed run never duplicates a step."""
+    from ppo_cli.runs import atomic_write_text
+
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    atomic_write_text(path, "".join(kept))
+
+
+# --- the run -------------------------------------------------------------------------------------
 
 
 def evaluate(engine, prompts: list[str], seed: int) -> dict:
@@ -70,24 +150,89 @@ def evaluate(engine, prompts: list[str], seed: int) -> dict:
     }
 
 
+class StopOnSignal:
+    """First Ctrl-C / SIGTERM: finish the current update, checkpoint, exit. Second: exit at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt  # files are written atomically, so stopping anywhere is safe
+        self.requested = True
+
+
+def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
+    every = recipe.train.sample_every
+    if not every or not (step % every == 0 or step == 1):
+        return
+    for i in range(min(recipe.train.num_samples, len(rollout.prompts))):
+        writer.write({
+            "step": step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
+            "score": float(rollout.scores[i]), "finished": bool(rollout.generation.finished[i]),
+        })
+
+
+def _train_loop(state, run_dir, progress, stop: StopOnSignal, recipe_path) -> None:
+    from ppo_cli.checkpoint import save_checkpoint
+    from ppo_cli.runs import JsonlWriter
+    from ppo_cli.trainer import train
+
+    recipe = state.recipe
+    metrics_writer, samples_writer = JsonlWriter(run_dir.metrics), JsonlWriter(run_dir.samples)
+    try:
+        for metrics, rollout in train(state):
+            if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
+                metrics_writer.write(metrics)
+            _write_samples(samples_writer, recipe, state.step, rollout)
+            progress.update(metrics)
+            last = state.step == recipe.train.total_updates
+            due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stop.requested
+            # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
+            if due and not last and state.consecutive_skips == 0:
+                save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
+            if stop.requested and not last:
+                raise Interrupted(
+                    f"interrupted after update {state.step}; checkpoint saved",
+                    hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
+                )
+    finally:
+        metrics_writer.close()
+        samples_writer.close()
+
+
 def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False, merge: bool = False,
-        resume: str | None = None) -> TrainResult:
-    if resume is not None:
-        raise UsageError("--resume is not available yet", hint="start a new run (or --overwrite this one)")
+        resume: str | None = None, force: bool = False) -> TrainResult:
+    if resume is not None and overwrite:
+        raise UsageError("--resume and --overwrite cannot be used together", hint="--resume continues a run; --overwrite replaces it")
     prompts, eval_prompts = preflight(recipe)
+    checkpoint = find_resume_checkpoint(recipe, resume, force) if resume is not None else None
 
     import numpy as np
     import torch
 
     from ppo_cli import report
-    from ppo_cli.checkpoint import save_checkpoint, save_final
+    from ppo_cli.checkpoint import load_checkpoint, save_final
     from ppo_cli.engine.models import resolve_dtype
     from ppo_cli.engine.session import load_engine
-    from ppo_cli.runs import JsonlWriter, atomic_write_text, prepare_run_dir
-    from ppo_cli.trainer import init_state, train
+    from ppo_cli.runs import RunDir, atomic_write_text, prepare_run_dir
+    from ppo_cli.trainer import init_state
 
-    run_dir = prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
-    atomic_write_text(run_dir.recipe, dump_resolved(recipe))
+    if checkpoint is None:
+        run_dir = prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
+        atomic_write_text(run_dir.recipe, dump_resolved(recipe))
+    else:
+        run_dir = RunDir(recipe.run_dir)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -96,28 +241,22 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
     engine = load_engine(recipe)
     state = init_state(engine, prompts)
-    before = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
+    eval_before_path = run_dir.path / "eval_before.json"
+    if checkpoint is not None:
+        load_checkpoint(state, checkpoint)
+        _truncate_jsonl(run_dir.metrics, state.step)
+        _truncate_jsonl(run_dir.samples, state.step)
+        report.console.print(f"resumed from {checkpoint} at update {state.step}")
+    if eval_prompts and eval_before_path.exists():
+        before = json.loads(eval_before_path.read_text())
+    elif eval_prompts:
+        before = evaluate(engine, eval_prompts, recipe.seed)
+        atomic_write_text(eval_before_path, json.dumps(before, indent=2))
+    else:
+        before = None
 
-    metrics_writer, samples_writer = JsonlWriter(run_dir.metrics), JsonlWriter(run_dir.samples)
-    try:
-        with report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every) as progress:
-            for metrics, rollout in train(state):
-                if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
-                    metrics_writer.write(metrics)
-                sample_every = recipe.train.sample_every
-                if sample_every and (state.step % sample_every == 0 or state.step == 1):
-                    for i in range(min(recipe.train.num_samples, len(rollout.prompts))):
-                        samples_writer.write({
-                            "step": state.step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
-                            "score": float(rollout.scores[i]), "finished": bool(rollout.generation.finished[i]),
-                        })
-                progress.update(metrics)
-                save_every = recipe.train.save_every
-                if save_every and state.step % save_every == 0 and state.step < recipe.train.total_updates:
-                    save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
-    finally:
-        metrics_writer.close()
-        samples_writer.close()
+    with StopOnSignal() as stop, report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every) as progress:
+        _train_loop(state, run_dir, progress, stop, recipe_path)
 
     after = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
     info = {

@@ -1,0 +1,175 @@
+"""Bad input of every kind through the real CLI: non-zero exit, one line naming the problem, no
+traceback, nothing half-written, nothing already written lost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ppo_cli.cli import app
+from tests.conftest import ROOT, tiny_overrides
+
+runner = CliRunner()
+TEMP_MARKERS = (".tmp", ".final-", ".step-")
+
+
+@dataclass
+class Env:
+    tmp: Path
+    models: Path
+
+    def recipe(self, edit: Callable[[dict], None] | None = None, text: str | None = None) -> str:
+        """The demo recipe pointed at the tiny models and tmp/, optionally edited; returns its path."""
+        data = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
+        data["policy"]["path"] = str(self.models / "policy")
+        data["reward"]["components"][0]["path"] = str(self.models / "reward")
+        data["data"]["prompts"] = str(ROOT / "recipes/prompts/reviews.txt")
+        data["data"]["eval_prompts"] = None
+        data["output_dir"] = str(self.tmp / "runs")
+        data["train"]["save_every"] = 1
+        if edit:
+            edit(data)
+        path = self.tmp / "recipe.yaml"
+        path.write_text(text if text is not None else yaml.safe_dump(data, sort_keys=False))
+        return str(path)
+
+    def file(self, name: str, content: str | bytes) -> str:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def fake_run(self, corrupt: bool = False, manifest: bool = True) -> Path:
+        """runs/tiny-sentiment with its recipe.yaml and one checkpoint (tiny files, not real weights)."""
+        from ppo_cli.checkpoint import write_manifest
+        from ppo_cli.recipe import dump_resolved, load_recipe
+
+        recipe_path = self.recipe()
+        run = self.tmp / "runs" / "tiny-sentiment"
+        checkpoint = run / "checkpoints" / "step-000001"
+        checkpoint.mkdir(parents=True)
+        (run / "recipe.yaml").write_text(dump_resolved(load_recipe(recipe_path)))
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        (checkpoint / "trainer_state.json").write_text('{"step": 1}')
+        (checkpoint / "value_head.safetensors").write_bytes(b"weights")
+        if manifest:
+            write_manifest(checkpoint, {"kind": "checkpoint", "step": 1})
+        if corrupt:
+            (checkpoint / "value_head.safetensors").write_bytes(b"weightz")
+        return run
+
+
+def _set(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+def _edit(path: str, value) -> Callable[[dict], None]:
+    def edit(data: dict) -> None:
+        *parents, leaf = path.split(".")
+        node = data
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        if value is _DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+
+    return edit
+
+
+_DELETE = object()
+NOT_UTF8 = "I think the book was\n".encode() + b"\xff\xfe bad bytes\n"
+FN_OK = "def reward(prompts, responses):\n    return [1.0] * len(responses)\n"
+
+# (id, argv builder, text the one error line must contain)
+CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
+    # --- recipes ---
+    ("recipe-missing", lambda e: ["train", str(e.tmp / "nope.yaml")], "nope.yaml"),
+    ("recipe-is-directory", lambda e: ["train", str(e.tmp)], "directory"),
+    ("recipe-yaml-syntax", lambda e: ["train", e.recipe(text="name: x\npolicy: [unclosed\n")], "recipe.yaml:3: YAML syntax error"),
+    ("recipe-not-a-mapping", lambda e: ["train", e.recipe(text="- a\n- b\n")], "mapping"),
+    ("recipe-empty", lambda e: ["train", e.recipe(text="")], "empty"),
+    ("recipe-unknown-key", lambda e: ["train", e.recipe(_edit("ppo.kl_coeff", 0.1))], "kl_coeff"),
+    ("recipe-wrong-type", lambda e: ["train", e.recipe(_edit("ppo.ppo_epochs", "four"))], "ppo.ppo_epochs"),
+    ("recipe-bad-choice", lambda e: ["train", e.recipe(_edit("ppo.kl_estimator", "k9"))], "ppo.kl_estimator"),
+    ("recipe-missing-key", lambda e: ["train", e.recipe(_edit("train.total_updates", _DELETE))], "train.total_updates"),
+    ("recipe-batches-dont-divide", lambda e: ["train", e.recipe(_edit("ppo.mini_batch_size", 5))], "mini_batch_size"),
+    ("recipe-4bit-without-lora", lambda e: ["train", e.recipe(_edit("policy.lora", None))] + _set("policy.quantization=4bit", "value.kind=auto"), "cannot be trained without LoRA"),
+    ("recipe-negative-lr", lambda e: ["train", e.recipe(_edit("optim.lr", -1.0))], "optim.lr"),
+    ("recipe-bad-function-spec", lambda e: ["train", e.recipe()] + _set("reward.components=[{type: function, function: no_colon}]"), "reward.components.0.function"),
+    # --- overrides ---
+    ("override-no-equals", lambda e: ["train", e.recipe()] + _set("ppo.kl_coef"), "ppo.kl_coef"),
+    ("override-unknown-path", lambda e: ["train", e.recipe()] + _set("ppo.kl_coeff=0.1"), "kl_coeff"),
+    ("override-wrong-type", lambda e: ["train", e.recipe()] + _set("train.total_updates=many"), "train.total_updates"),
+    ("override-bad-index", lambda e: ["train", e.recipe()] + _set("reward.components.7.weight=2"), "reward.components"),
+    # --- prompt files ---
+    ("prompts-missing", lambda e: ["train", e.recipe(_edit("data.prompts", str(e.tmp / "none.txt")))], "prompts file not found"),
+    ("prompts-empty", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", "")))], "no prompts"),
+    ("prompts-blank-lines-only", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", "\n  \n\n")))], "no prompts"),
+    ("prompts-not-utf8", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", NOT_UTF8)))], "not UTF-8"),
+    ("prompts-jsonl-not-object", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '["a"]\n')))], "expected a JSON object"),
+    ("prompts-jsonl-missing-field", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"text": "a"}\n')))], "no 'prompt' field"),
+    ("prompts-jsonl-invalid-json", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"prompt": \n')))], "not valid JSON"),
+    ("eval-prompts-missing", lambda e: ["train", e.recipe(_edit("data.eval_prompts", str(e.tmp / "none.txt")))], "prompts file not found"),
+    # --- model paths ---
+    ("policy-dir-missing", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp / "no-model")))], "model directory not found"),
+    ("policy-path-is-file", lambda e: ["train", e.recipe(_edit("policy.path", e.file("model.bin", "x")))], "is a file"),
+    ("policy-dir-without-config", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp)))], "no config.json"),
+    ("policy-hub-id-offline", lambda e: ["train", e.recipe(_edit("policy.path", "Qwen/Qwen2.5-1.5B"))], "hub is offline"),
+    ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "model directory not found"),
+    ("reward-labels-unknown", lambda e: ["train", e.recipe(_edit("reward.components.0.labels", {"happy": 1.0}))], "has no label(s) happy"),
+    # --- reward functions ---
+    ("function-file-missing", lambda e: ["train", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.tmp}/none.py:reward'}}]"), "reward function file not found"),
+    ("function-name-missing", lambda e: ["train", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', FN_OK)}:other'}}]"), "has no function 'other'"),
+    ("function-bad-signature", lambda e: ["train", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', 'def reward(x): return []')}:reward'}}]"), "must take two arguments"),
+    ("function-import-error", lambda e: ["train", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', 'import no_such_module')}:reward'}}]"), "cannot import reward function module"),
+    ("function-module-missing", lambda e: ["train", e.recipe()] + _set("reward.components=[{type: function, function: 'no_such_pkg.rewards:reward'}]"), "cannot import reward function module"),
+    # --- output directories and checkpoints ---
+    ("run-exists-without-overwrite", lambda e: (e.fake_run(), ["train", e.recipe()])[1], "already holds a run"),
+    ("output-dir-is-a-file", lambda e: ["train", e.recipe(_edit("output_dir", e.file("runs-file", "x")))], "runs-file"),
+    ("resume-without-checkpoints", lambda e: ["train", e.recipe(), "--resume", "latest"], "no complete checkpoint"),
+    ("resume-corrupted-checkpoint", lambda e: (e.fake_run(corrupt=True), ["train", e.recipe(), "--resume", "latest"])[1], "does not match its manifest"),
+    ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
+    ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
+    ("resume-missing-path", lambda e: ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")], "checkpoint not found"),
+    ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.05 -> 0.5"),
+    ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
+    ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
+]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def test_there_are_at_least_30_distinct_bad_inputs():
+    assert len({case_id for case_id, _, _ in CASES}) == len(CASES) >= 30
+
+
+@pytest.mark.parametrize("case_id, build, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expected, tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, tiny_models)
+    args = build(env)
+    before = _snapshot(tmp_path)
+    result = runner.invoke(app, args)
+    output = result.output
+    assert result.exit_code != 0, output
+    assert "Traceback" not in output
+    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, output
+    assert expected in error_lines[0], output
+    other = [l for l in output.splitlines() if l.strip() and not l.startswith(("error:", "hint:", "loading models"))]
+    assert not other, output
+    after = _snapshot(tmp_path)
+    assert not [name for name in after if any(marker in name for marker in TEMP_MARKERS)], after
+    changed = [name for name in before if after.get(name) != before[name]]
+    assert not changed, f"files changed or lost: {changed}"
