@@ -111,14 +111,25 @@ def rng_state() -> dict:
 
 
 def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
-    """checkpoints/step-NNNNNN/: weights, optimizer, scheduler, KL controller, data position, RNGs."""
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    """checkpoints/step-NNNNNN/: weights, optimizer, scheduler, KL controller, data position, RNGs.
+
+    Called by every process (each one's RNG state is saved); only the main process writes.
+    """
     final_dir = checkpoints_dir / f"step-{state.step:06d}"
+    rng_states = state.dist.gather_objects(rng_state())
+    if state.dist.is_main:
+        _write_checkpoint(state, checkpoints_dir, final_dir, rng_states, keep)
+    state.dist.wait()
+    return final_dir
+
+
+def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int) -> None:
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=checkpoints_dir, prefix=f".step-{state.step:06d}-"))
     try:
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp)
         torch.save(
-            {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(), "rng": rng_state()},
+            {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(), "rng": rng_states},
             tmp / "training_state.pt",
         )
         trainer_state = {
@@ -136,7 +147,6 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
     complete = sorted(p for p in checkpoints_dir.glob("step-*") if (p / MANIFEST).exists())
     for old in complete[:-keep]:
         shutil.rmtree(old)
-    return final_dir
 
 
 # --- resume --------------------------------------------------------------------------------------
@@ -234,4 +244,12 @@ def load_checkpoint(state, directory: Path) -> None:
     state.consecutive_skips = trainer_state.get("consecutive_skips", 0)
     state.kl_controller.load_state_dict(trainer_state["kl_controller"])
     state.sampler.load_state_dict(trainer_state["sampler"])
-    restore_rng_state(training["rng"])
+    rng_states = training["rng"]
+    if len(rng_states) != state.dist.world_size:
+        from ppo_cli.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{directory} was saved by {len(rng_states)} process(es); this run has {state.dist.world_size}",
+            hint=f"resume with --num-processes {len(rng_states)} for an exact continuation",
+        )
+    restore_rng_state(rng_states[state.dist.rank])

@@ -128,11 +128,22 @@ def train(
     force: Annotated[
         bool, typer.Option("--force", help="With --resume: accept a recipe that differs from the saved one.")
     ] = False,
+    num_processes: Annotated[
+        int,
+        typer.Option("--num-processes", min=1, help="Data-parallel processes, launched through `accelerate launch`."),
+    ] = 1,
 ) -> None:
     """Train a policy with PPO as the recipe says; writes output_dir/name/."""
     from ppo_cli.recipe import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
+    if num_processes > 1:
+        from ppo_cli.launch import launch_train
+
+        args = [str(recipe)] + [a for item in overrides or () for a in ("--set", item)]
+        args += ["--overwrite"] * overwrite + ["--merge"] * merge + ["--force"] * force
+        args += ["--resume", resume] if resume is not None else []
+        raise typer.Exit(launch_train(num_processes, args))
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
     run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)

@@ -82,17 +82,23 @@ class RunDir:
         return self.recipe.exists() or self.metrics.exists() or self.final.exists()
 
 
+def check_run_dir(run: RunDir, overwrite: bool) -> None:
+    """Refuse a path that is a file, or an existing run unless it may be overwritten. Reads only."""
+    for parent in [run.path, *run.path.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"output path exists and is not a directory: {parent}", hint="set output_dir to a directory")
+    if run.is_run() and not overwrite:
+        raise UsageError(
+            f"run directory already holds a run: {run.path}",
+            hint="pass --overwrite to replace it, --resume to continue it, or change `name` (--set name=my-run-2)",
+        )
+
+
 def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
     """Create runs/<name>; an existing run is only replaced with overwrite (and only its own files)."""
     run = RunDir(Path(output_dir) / name)
-    if run.path.exists() and not run.path.is_dir():
-        raise UsageError(f"output path exists and is not a directory: {run.path}")
+    check_run_dir(run, overwrite)
     if run.is_run():
-        if not overwrite:
-            raise UsageError(
-                f"run directory already holds a run: {run.path}",
-                hint="pass --overwrite to replace it, or change `name` (e.g. --set name=my-run-2)",
-            )
         for file_name in RUN_FILES:
             (run.path / file_name).unlink(missing_ok=True)
         for dir_name in RUN_DIRS:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ from ppo_cli.algo.advantages import compute_gae, shape_rewards
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
 from ppo_cli.algo.masking import masked_mean, masked_whiten
+from ppo_cli.distributed import Distributed
 from ppo_cli.engine.data import PromptSampler
-from ppo_cli.engine.logprobs import policy_forward, selective_log_softmax, value_forward
+from ppo_cli.engine.logprobs import PolicyAndValue, selective_log_softmax
 from ppo_cli.engine.session import Engine
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
@@ -66,15 +68,16 @@ def make_scheduler(optimizer, optim: OptimConfig, total_updates: int):
 # --- phase 2: advantages -------------------------------------------------------------------------
 
 
-def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig) -> Advantages:
+def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_sum=None) -> Advantages:
+    """``reduce_sum`` sums across processes, so whitening uses the global batch's statistics."""
     mask = rollout.generation.response_mask
     kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~mask, 0.0)
     rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
     if ppo.whiten_rewards:
-        rewards = masked_whiten(rewards, mask, keep_mean=True)
+        rewards = masked_whiten(rewards, mask, keep_mean=True, reduce_sum=reduce_sum)
     advantages, returns = compute_gae(rewards, rollout.values, mask, ppo.gamma, ppo.gae_lambda)
     if ppo.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
     return Advantages(rewards, non_score_rewards, kl, advantages, returns)
 
 
@@ -100,18 +103,16 @@ class UpdateStats:
         return sum(self.values[name]) / len(self.values[name])
 
 
-def micro_batch_loss(engine: Engine, rollout: Rollout, adv: Advantages, rows: torch.Tensor, stats: UpdateStats):
+def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, rows: torch.Tensor, stats: UpdateStats):
     """Loss on a few episodes, trimmed to their longest response (padding costs no compute)."""
-    ppo, ac, gen = engine.recipe.ppo, engine.actor_critic, rollout.generation
+    ppo, gen = state.recipe.ppo, rollout.generation
     T = max(1, int(gen.response_mask[rows].sum(dim=1).max()))
     response_ids, mask = gen.response_ids[rows, :T], gen.response_mask[rows, :T]
     sequences = torch.cat([gen.prompt_ids[rows], response_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask[rows], mask], dim=1)
 
-    logits, values = policy_forward(ac, sequences, attention_mask, T, engine.recipe.generation.temperature)
+    logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature)
     logprobs = selective_log_softmax(logits, response_ids)
-    if values is None:
-        values = value_forward(ac, sequences, attention_mask, T)
     policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], mask, ppo.cliprange)
     value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
@@ -124,23 +125,27 @@ def micro_batch_loss(engine: Engine, rollout: Rollout, adv: Advantages, rows: to
     return loss
 
 
-def optimise(engine: Engine, optimizer, rollout: Rollout, adv: Advantages) -> UpdateStats:
-    ppo, max_grad_norm = engine.recipe.ppo, engine.recipe.optim.max_grad_norm
+def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateStats:
+    ppo, max_grad_norm, optimizer = state.recipe.ppo, state.recipe.optim.max_grad_norm, state.optimizer
+    accelerator = state.dist.accelerator
     params = [p for group in optimizer.param_groups for p in group["params"]]
     batch_size, stats = len(rollout.prompts), UpdateStats(micro_batches_per_step=ppo.grad_accum_steps)
     for epoch in range(ppo.ppo_epochs):
         epoch_start = len(stats.values.get("approx_kl", []))
-        order = torch.randperm(batch_size, device=engine.device)
+        order = torch.randperm(batch_size, device=state.engine.device)
         for mini_batch in order.split(ppo.mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
-            losses = []
-            for rows in mini_batch.split(ppo.micro_batch_size):
-                loss = micro_batch_loss(engine, rollout, adv, rows, stats)
-                (loss / ppo.grad_accum_steps).backward()
-                losses.append(loss.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
-            # One NaN step would poison the weights for good: drop the step instead.
-            if not (torch.isfinite(torch.stack(losses)).all() and torch.isfinite(grad_norm)):
+            micro_batches = mini_batch.split(ppo.micro_batch_size)
+            for index, rows in enumerate(micro_batches):
+                # Gradients are averaged across processes once per mini-batch, not per micro-batch.
+                sync = index == len(micro_batches) - 1
+                with contextlib.nullcontext() if sync else accelerator.no_sync(state.model):
+                    loss = micro_batch_loss(state, rollout, adv, rows, stats)
+                    accelerator.backward(loss / ppo.grad_accum_steps)
+            grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm or float("inf"))
+            # One NaN step would poison the weights for good: drop it. (After the all-reduce the
+            # gradients, hence their norm, are the same on every process, so all of them agree.)
+            if not torch.isfinite(grad_norm):
                 stats.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -150,7 +155,7 @@ def optimise(engine: Engine, optimizer, rollout: Rollout, adv: Advantages) -> Up
         stats.epochs_run = epoch + 1
         epoch_kl = stats.values["approx_kl"][epoch_start:]
         # seed 003: stop reusing this batch once the policy has moved too far from the rollout policy.
-        if ppo.max_kl is not None and sum(epoch_kl) / len(epoch_kl) > ppo.max_kl:
+        if ppo.max_kl is not None and state.dist.mean_of(sum(epoch_kl) / len(epoch_kl)) > ppo.max_kl:
             break
     optimizer.zero_grad(set_to_none=True)
     return stats
@@ -159,43 +164,47 @@ def optimise(engine: Engine, optimizer, rollout: Rollout, adv: Advantages) -> Up
 # --- metrics -------------------------------------------------------------------------------------
 
 
-def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float) -> dict[str, float]:
-    """TRL's objective/* names: sums over response tokens, means over episodes."""
+def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Distributed) -> dict[str, float]:
+    """TRL's objective/* names: sums over response tokens, means over the episodes of all processes."""
     mask = rollout.generation.response_mask
-    kl_sum = adv.kl.sum(dim=1)
-    non_score = adv.non_score_rewards.sum(dim=1)
+    scores = dist.gather(rollout.scores)
+    kl_sum = dist.gather(adv.kl.sum(dim=1))
+    non_score = dist.gather(adv.non_score_rewards.sum(dim=1))
+    values, returns, all_mask = dist.gather(rollout.values), dist.gather(adv.returns), dist.gather(mask)
+    responses = [r for part in dist.gather_objects(rollout.responses) for r in part]
     metrics = {
         "objective/kl": kl_sum.mean().item(),
-        "objective/entropy": (-rollout.logprobs * mask).sum(dim=1).mean().item(),
+        "objective/entropy": dist.gather((-rollout.logprobs * mask).sum(dim=1)).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (non_score + rollout.scores).mean().item(),
-        "objective/scores": rollout.scores.mean().item(),
-        "objective/scores_std": rollout.scores.std().item() if len(rollout.scores) > 1 else 0.0,
+        "objective/rlhf_reward": (non_score + scores).mean().item(),
+        "objective/scores": scores.mean().item(),
+        "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
         "objective/kl_coef": kl_coef,
-        "val/explained_variance": float(explained_variance(rollout.values, adv.returns, mask)),
-        "val/mean": masked_mean(rollout.values, mask).item(),
-        "eos_rate": rollout.generation.finished.float().mean().item(),
-        "response_length": mask.sum(dim=1).float().mean().item(),
-        "samples/distinct_1": distinct_n(rollout.responses, 1),
-        "samples/distinct_2": distinct_n(rollout.responses, 2),
+        "val/explained_variance": float(explained_variance(values, returns, all_mask)),
+        "val/mean": masked_mean(values, all_mask).item(),
+        "eos_rate": dist.gather(rollout.generation.finished.float()).mean().item(),
+        "response_length": dist.gather(mask.sum(dim=1).float()).mean().item(),
+        "samples/distinct_1": distinct_n(responses, 1),
+        "samples/distinct_2": distinct_n(responses, 2),
     }
-    for name, values in rollout.score_components.items():
-        metrics[f"reward/{name}"] = sum(values) / len(values)
+    for name, component in rollout.score_components.items():
+        metrics[f"reward/{name}"] = dist.gather(torch.tensor(component, dtype=torch.float64, device=scores.device)).mean().item()
     return metrics
 
 
-def update_metrics(stats: UpdateStats) -> dict[str, float]:
+def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
+    first = stats.values["ratio"][: stats.micro_batches_per_step]
     metrics = {
-        "policy/approxkl_avg": stats.mean("approx_kl"),
-        "policy/clipfrac_avg": stats.mean("clipfrac"),
-        "policy/entropy_avg": stats.mean("entropy"),
-        "loss/policy_avg": stats.mean("policy_loss"),
-        "loss/value_avg": stats.mean("value_loss"),
-        "val/clipfrac_avg": stats.mean("value_clipfrac"),
-        "val/ratio": stats.mean("ratio"),
+        "policy/approxkl_avg": dist.mean_of(stats.mean("approx_kl")),
+        "policy/clipfrac_avg": dist.mean_of(stats.mean("clipfrac")),
+        "policy/entropy_avg": dist.mean_of(stats.mean("entropy")),
+        "loss/policy_avg": dist.mean_of(stats.mean("policy_loss")),
+        "loss/value_avg": dist.mean_of(stats.mean("value_loss")),
+        "val/clipfrac_avg": dist.mean_of(stats.mean("value_clipfrac")),
+        "val/ratio": dist.mean_of(stats.mean("ratio")),
         # Before the first optimizer step the policy is the rollout policy, so this is 1 up to numerics;
         # far from 1 means rollout and update compute log-probs differently (seed 001: temperature).
-        "val/ratio_first_minibatch": sum(stats.values["ratio"][: stats.micro_batches_per_step]) / stats.micro_batches_per_step,
+        "val/ratio_first_minibatch": dist.mean_of(sum(first) / len(first)),
         "ppo/epochs_run": stats.epochs_run,
         "ppo/skipped_steps": stats.skipped_steps,
     }
@@ -213,6 +222,8 @@ class TrainState:
 
     recipe: Recipe
     engine: Engine
+    dist: Distributed
+    model: torch.nn.Module  # PolicyAndValue, wrapped by accelerate (DDP/DeepSpeed) with several processes
     sampler: PromptSampler
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -223,12 +234,15 @@ class TrainState:
     last_skip_reason: str | None = None
 
 
-def init_state(engine: Engine, prompts: list[str]) -> TrainState:
+def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
     recipe = engine.recipe
-    optimizer = make_optimizer(engine, recipe.optim)
+    dist = dist or Distributed(recipe.train.device)
+    model, optimizer = dist.accelerator.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
         recipe=recipe,
         engine=engine,
+        dist=dist,
+        model=model,
         sampler=PromptSampler(prompts, seed=recipe.seed, shuffle=recipe.data.shuffle),
         optimizer=optimizer,
         scheduler=make_scheduler(optimizer, recipe.optim, recipe.train.total_updates),
@@ -241,21 +255,25 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     recipe, engine = state.recipe, state.engine
     started = time.perf_counter()
 
-    prompts = state.sampler.next_batch(recipe.ppo.rollout_batch_size)
+    # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
+    size, dist = recipe.ppo.rollout_batch_size, state.dist
+    prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
     rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
 
     kl_coef = state.kl_controller.value
-    adv = compute_advantages(rollout, kl_coef, recipe.ppo)
+    adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None)
 
     skip_reason = find_non_finite(rollout, adv)
-    stats = optimise(engine, state.optimizer, rollout, adv) if skip_reason is None else None
+    if dist.any(skip_reason is not None):  # every process must skip together
+        skip_reason = skip_reason or "non-finite numbers on another process"
+    stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
 
-    metrics = rollout_metrics(rollout, adv, kl_coef)
+    metrics = rollout_metrics(rollout, adv, kl_coef, dist)
     if stats is not None:
-        metrics.update(update_metrics(stats))
+        metrics.update(update_metrics(stats, dist))
     metrics["skipped"] = int(skip_reason is not None)
     if skip_reason is None:
         state.consecutive_skips, state.last_skip_reason = 0, None
@@ -272,7 +290,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     generated_tokens = float(rollout.generation.response_mask.sum())
     metrics.update({
         "step": state.step,
-        "episode": state.episodes,
+        "episode": state.episodes * dist.world_size,
         "time/rollout_s": rollout_seconds,
         "time/update_s": seconds - rollout_seconds,
         "time/step_s": seconds,
@@ -292,6 +310,8 @@ LIKELY_CAUSES = {
     "non-finite advantages": "rewards or values are exploding: set ppo.whiten_rewards: true and check the reward scale",
     "non-finite loss or gradients": "the learning rate is too high or the KL penalty too small: lower optim.lr, "
     "set optim.max_grad_norm, raise ppo.kl_coef",
+    "non-finite numbers on another process": "another process saw NaN or inf in its rollout: see its metrics; "
+    "usually the reward or the value head",
 }
 
 

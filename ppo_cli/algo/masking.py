@@ -8,7 +8,7 @@ Shapes: B batch, T response length. Masks are bool and True means "counts" (``re
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -84,7 +84,36 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return variance * count / (count - 1).clamp(min=1)
 
 
-def masked_whiten(values: Tensor, mask: Tensor, keep_mean: bool = False, eps: float = 1e-8) -> Tensor:
+def global_masked_mean_var(values: Tensor, mask: Tensor, reduce_sum: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """Masked mean and unbiased variance over the union of every process's entries.
+
+    mean = sum_p S_p / sum_p n_p,   var = sum_p sum_i (x_i - mean)^2 [mask_i] / (n - 1)
+
+    Two passes, as ``masked_var``: ``reduce_sum`` (a sum across processes, e.g. an all-reduce) is
+    called on the local sums, so every process gets the statistics of the concatenated batch.
+
+    Args:
+        values: (B, T) this process's entries.
+        mask: bool, (B, T).
+        reduce_sum: tensor -> the elementwise sum of that tensor over all processes.
+
+    Returns:
+        (mean, var), scalars (), identical on every process.
+    """
+    totals = reduce_sum(torch.stack([masked_sum(values, mask), mask.sum().to(values.dtype)]))
+    count = totals[1]
+    mean = totals[0] / count.clamp(min=1)
+    squares = reduce_sum(masked_sum((values - mean) ** 2, mask))
+    return mean, squares / (count - 1).clamp(min=1)
+
+
+def masked_whiten(
+    values: Tensor,
+    mask: Tensor,
+    keep_mean: bool = False,
+    eps: float = 1e-8,
+    reduce_sum: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Tensor:
     """Standardise ``values`` over the masked entries: zero mean, unit variance.
 
     whitened = (values - mean) * rsqrt(var + eps)            (keep_mean=False, the default)
@@ -99,6 +128,8 @@ def masked_whiten(values: Tensor, mask: Tensor, keep_mean: bool = False, eps: fl
         mask: bool, (B, T); True means the entry counts.
         keep_mean: add the mean back, so only the scale is normalised (TRL's reward whitening).
         eps: added to the variance so constant inputs do not divide by zero.
+        reduce_sum: with several processes, a sum across them: the statistics are then those of
+            the whole distributed batch (``global_masked_mean_var``). None for one process.
 
     Returns:
         (B, T); entries outside the mask are 0.
@@ -106,8 +137,11 @@ def masked_whiten(values: Tensor, mask: Tensor, keep_mean: bool = False, eps: fl
     Raises:
         ValueError: no entry counts (from ``masked_var``).
     """
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
+    if reduce_sum is None:
+        mean, var = masked_mean(values, mask), masked_var(values, mask)
+    else:
+        mean, var = global_masked_mean_var(values, mask, reduce_sum)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
     if keep_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0)

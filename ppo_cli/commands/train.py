@@ -183,32 +183,101 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
         })
 
 
-def _train_loop(state, run_dir, progress, stop: StopOnSignal, recipe_path) -> None:
+def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path) -> None:
+    """Updates until the end; metrics, samples and progress from the main process only."""
+    from ppo_cli import report
     from ppo_cli.checkpoint import save_checkpoint
     from ppo_cli.runs import JsonlWriter
     from ppo_cli.trainer import train
 
-    recipe = state.recipe
-    metrics_writer, samples_writer = JsonlWriter(run_dir.metrics), JsonlWriter(run_dir.samples)
+    recipe, main = state.recipe, state.dist.is_main
+    metrics_writer = JsonlWriter(run_dir.metrics) if main else None
+    samples_writer = JsonlWriter(run_dir.samples) if main else None
+    progress = report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every, enabled=main)
     try:
-        for metrics, rollout in train(state):
-            if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
-                metrics_writer.write(metrics)
-            _write_samples(samples_writer, recipe, state.step, rollout)
-            progress.update(metrics)
-            last = state.step == recipe.train.total_updates
-            due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stop.requested
-            # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
-            if due and not last and state.consecutive_skips == 0:
-                save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
-            if stop.requested and not last:
-                raise Interrupted(
-                    f"interrupted after update {state.step}; checkpoint saved",
-                    hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
-                )
+        with progress:
+            for metrics, rollout in train(state):
+                if main:
+                    if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
+                        metrics_writer.write(metrics)
+                    _write_samples(samples_writer, recipe, state.step, rollout)
+                    progress.update(metrics)
+                last = state.step == recipe.train.total_updates
+                stopping = state.dist.any(stop.requested)  # every process stops after the same update
+                due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
+                # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
+                if due and not last and state.consecutive_skips == 0:
+                    save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
+                if stopping and not last:
+                    raise Interrupted(
+                        f"interrupted after update {state.step}; checkpoint saved",
+                        hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
+                    )
     finally:
-        metrics_writer.close()
-        samples_writer.close()
+        for writer in (metrics_writer, samples_writer):
+            if writer is not None:
+                writer.close()
+
+
+def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
+    """Check on every process, then create (main process) the run directory and its recipe.yaml."""
+    from ppo_cli.runs import RunDir, atomic_write_text, check_run_dir, prepare_run_dir
+
+    run_dir = RunDir(recipe.run_dir)
+    if resuming:
+        return run_dir
+    check_run_dir(run_dir, overwrite)
+    dist.wait()  # nobody may see the directory the main process is about to create as "existing"
+    if dist.is_main:
+        prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
+        atomic_write_text(run_dir.recipe, dump_resolved(recipe))
+    dist.wait()
+    return run_dir
+
+
+def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
+    """Held-out scores of the starting policy, saved so a resumed run reports the same 'before'."""
+    from ppo_cli.runs import atomic_write_text
+
+    path = run_dir.path / "eval_before.json"
+    if not eval_prompts or not dist.is_main:
+        return None
+    if path.exists():
+        return json.loads(path.read_text())
+    before = evaluate(engine, eval_prompts, recipe.seed)
+    atomic_write_text(path, json.dumps(before, indent=2))
+    return before
+
+
+def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float) -> dict:
+    """final/, eval.json and summary.json, written by the main process."""
+    import torch
+
+    from ppo_cli import report
+    from ppo_cli.checkpoint import save_final
+    from ppo_cli.engine.models import resolve_dtype
+    from ppo_cli.runs import atomic_write_text
+
+    recipe, engine = state.recipe, state.engine
+    after = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
+    info = {
+        "policy_path": recipe.policy.path, "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
+        "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
+    }
+    merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
+    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype)
+    if before is not None:
+        atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
+    summary = {
+        "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step,
+        "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
+        "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(),
+        "before": {k: v for k, v in (before or {}).items() if k != "samples"},
+        "after": {k: v for k, v in (after or {}).items() if k != "samples"},
+    }
+    atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
+    report.print_train_summary(summary)
+    return summary
 
 
 def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False, merge: bool = False,
@@ -222,57 +291,33 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     import torch
 
     from ppo_cli import report
-    from ppo_cli.checkpoint import load_checkpoint, save_final
-    from ppo_cli.engine.models import resolve_dtype
+    from ppo_cli.checkpoint import load_checkpoint
+    from ppo_cli.distributed import Distributed
     from ppo_cli.engine.session import load_engine
-    from ppo_cli.runs import RunDir, atomic_write_text, prepare_run_dir
     from ppo_cli.trainer import init_state
 
-    if checkpoint is None:
-        run_dir = prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
-        atomic_write_text(run_dir.recipe, dump_resolved(recipe))
-    else:
-        run_dir = RunDir(recipe.run_dir)
+    dist = Distributed(recipe.train.device)
+    run_dir = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
 
     started = time.perf_counter()
-    report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
-    engine = load_engine(recipe)
-    state = init_state(engine, prompts)
-    eval_before_path = run_dir.path / "eval_before.json"
+    if dist.is_main:
+        report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
+    engine = load_engine(recipe, dist.device)
+    state = init_state(engine, prompts, dist)
     if checkpoint is not None:
         load_checkpoint(state, checkpoint)
-        _truncate_jsonl(run_dir.metrics, state.step)
-        _truncate_jsonl(run_dir.samples, state.step)
-        report.console.print(f"resumed from {checkpoint} at update {state.step}")
-    if eval_prompts and eval_before_path.exists():
-        before = json.loads(eval_before_path.read_text())
-    elif eval_prompts:
-        before = evaluate(engine, eval_prompts, recipe.seed)
-        atomic_write_text(eval_before_path, json.dumps(before, indent=2))
-    else:
-        before = None
+        if dist.is_main:
+            _truncate_jsonl(run_dir.metrics, state.step)
+            _truncate_jsonl(run_dir.samples, state.step)
+            report.console.print(f"resumed from {checkpoint} at update {state.step}")
+    before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
 
-    with StopOnSignal() as stop, report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every) as progress:
-        _train_loop(state, run_dir, progress, stop, recipe_path)
+    with StopOnSignal() as stop:
+        _train_loop(state, run_dir, stop, recipe_path)
 
-    after = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
-    info = {
-        "policy_path": recipe.policy.path, "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
-        "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
-    }
-    merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
-    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype)
-    if before is not None:
-        atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
-    summary = {
-        "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step, "episodes": state.episodes,
-        "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(),
-        "before": {k: v for k, v in (before or {}).items() if k != "samples"},
-        "after": {k: v for k, v in (after or {}).items() if k != "samples"},
-    }
-    atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
-    report.print_train_summary(summary)
+    summary = _finish(state, run_dir, eval_prompts, before, merge, started) if dist.is_main else {}
+    dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -92,3 +92,21 @@ def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids,
         hidden = response_slice(backbone_hidden(model, sequences, attention_mask), response_ids.shape[1])
         logits = lm_logits(model, hidden, temperature)
     return selective_log_softmax(logits, response_ids)
+
+
+class PolicyAndValue(nn.Module):
+    """The update's forward as one module call, (logits (B, T, V), values (B, T)).
+
+    One call per backward, so a DDP or DeepSpeed wrapper from ``accelerator.prepare`` sees every
+    trainable parameter used and synchronises the gradients (TRL's PolicyAndValueWrapper).
+    """
+
+    def __init__(self, actor_critic: ActorCritic):
+        super().__init__()
+        self.actor_critic = actor_critic
+
+    def forward(self, sequences, attention_mask, response_len: int, temperature: float):
+        logits, values = policy_forward(self.actor_critic, sequences, attention_mask, response_len, temperature)
+        if values is None:
+            values = value_forward(self.actor_critic, sequences, attention_mask, response_len)
+        return logits, values
