@@ -145,6 +145,8 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm or float("inf"))
             # One NaN step would poison the weights for good: drop it. (After the all-reduce the
             # gradients, hence their norm, are the same on every process, so all of them agree.)
+            # DeepSpeed clips inside its engine and reports no norm here.
+            grad_norm = torch.zeros(()) if grad_norm is None else grad_norm
             if not torch.isfinite(grad_norm):
                 stats.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)

@@ -79,7 +79,8 @@ def test_load_recipe_minimal_fixture_is_valid():
 
 
 def test_every_shipped_recipe_validates():
-    files = sorted((ROOT / "recipes").rglob("*.yaml"))
+    # recipes/accelerate/ holds accelerate launcher configs, not recipes.
+    files = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
     assert files, "no recipes/**/*.yaml found"
     for path in files:
         load_recipe(path)  # raises RecipeError naming the file and line
