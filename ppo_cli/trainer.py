@@ -279,7 +279,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     metrics["skipped"] = int(skip_reason is not None)
     if skip_reason is None:
         state.consecutive_skips, state.last_skip_reason = 0, None
-        state.kl_controller.update(metrics["objective/kl"], len(prompts))
+        state.kl_controller.update(metrics["objective/kl"], len(prompts) * dist.world_size)
     else:
         metrics["skip_reason"] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
