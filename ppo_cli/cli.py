@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from ppo_cli import __version__
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, DataError, PpoError, UsageError
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -147,6 +147,16 @@ def train(
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
     run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by `ppo train`, e.g. runs/NAME.", show_default=False)],
+) -> None:
+    """Draw a run's learning curves (reward, losses, KL, EOS rate, clip fraction, length) to RUN_DIR/plots/."""
+    from ppo_cli.plots import plot_run  # matplotlib is imported inside, only when drawing
+
+    typer.echo(f"wrote {plot_run(run_dir)}")
 
 
 # --- rollout / score / eval / compare: models on prompts, composed through JSONL files ----------
@@ -300,6 +310,8 @@ def _prompts(path, field, recipe) -> tuple[list[str], str]:
     from ppo_cli import report
     from ppo_cli.engine.data import read_prompts  # no torch: data.py reads files only
 
+    if path is not None and not path.exists():
+        raise DataError(f"prompts file not found: {path}", hint="check --prompts (relative to the current directory)")
     path = path or recipe.data.eval_prompts or recipe.data.prompts
     prompt_set = read_prompts(path, field or recipe.data.field)
     if prompt_set.skipped_blank:

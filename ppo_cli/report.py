@@ -59,23 +59,72 @@ class TrainProgress:
         console.print(message)
 
 
-def print_train_summary(summary: dict) -> None:
-    table = Table(title=f"run {summary['run_dir']}", show_header=True, header_style="bold")
-    table.add_column("")
-    table.add_column("before", justify="right")
-    table.add_column("after", justify="right")
-    for label, key, fmt in (("mean score", "score", "{:+.3f}"), ("EOS rate", "eos_rate", "{:.0%}"),
-                            ("response length", "response_length", "{:.1f}")):
-        before, after = summary.get("before", {}), summary.get("after", {})
+def print_health_warning(warning: dict) -> None:
+    """A health warning (monitor.HealthWarning as a dict): what is seen, the likely cause, the fix.
+    A reminder of one still active repeats the message and the fix only."""
+    reminder = warning["since"] != warning["step"]
+    when = f"update {warning['step']}" + (f" (active since update {warning['since']})" if reminder else "")
+    lines = [Text.assemble(("warning", "bold yellow"), f" {when}: ", warning["message"], (f"  [{warning['rule']}]", "dim"))]
+    if not reminder:
+        lines.append(Text.assemble(("  likely cause: ", "bold"), warning["cause"]))
+    lines.append(Text.assemble(("  fix: ", "bold"), warning["fix"]))
+    for line in lines:
+        console.print(line, soft_wrap=True)  # one line each in a log file; the terminal wraps
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f} s"
+
+
+def _before_after(summary: dict):
+    before, after = summary.get("before") or {}, summary.get("after") or {}
+    if not before or not after:
+        return Text("no held-out prompts: set data.eval_prompts for a before/after comparison", style="dim")
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False, title="held-out prompts",
+                  title_justify="left", title_style="bold")
+    for name, justify in (("", "left"), ("before", "right"), ("after", "right"), ("change", "right")):
+        table.add_column(name, justify=justify)
+    for label, key, fmt, change in (("mean reward", "score", "{:+.3f}", "{:+.3f}"), ("EOS rate", "eos_rate", "{:.0%}", "{:+.0%}"),
+                                    ("response length", "response_length", "{:.1f}", "{:+.1f}")):
         if key in before and key in after:
-            table.add_row(label, fmt.format(before[key]), fmt.format(after[key]))
-    console.print(table)
-    console.print(
-        f"{summary['updates']} updates, {summary['episodes']} episodes in {summary['seconds']:.1f} s "
-        f"({summary['episodes'] / max(summary['seconds'], 1e-9):.2f} episodes/s), "
-        f"peak memory {summary['peak_memory_gb']:.2f} GB"
+            table.add_row(label, fmt.format(before[key]), fmt.format(after[key]), change.format(after[key] - before[key]))
+    return table
+
+
+def _warnings_block(warnings: list[dict]):
+    if not warnings:
+        return Text("no health warnings", style="green")
+    table = Table(show_header=False, box=None, pad_edge=False, title=f"health warnings ({len(warnings)})",
+                  title_justify="left", title_style="bold yellow")
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
+    for w in warnings:
+        span = f"updates {w['first_step']}-{w['last_step']}" if w["last_step"] != w["first_step"] else f"update {w['first_step']}"
+        state = ", still active at the end" if w["active_at_end"] else ""
+        table.add_row(Text(w["rule"], style="yellow"), Text.assemble(f"{span}{state}: ", w["message"], ("\nfix: ", "bold"), w["fix"]))
+    return table
+
+
+def print_train_summary(summary: dict) -> None:
+    """The end of `ppo train`: held-out before/after, time and throughput, warnings, files."""
+    from rich.console import Group
+    from rich.panel import Panel
+
+    episodes_per_s = summary.get("episodes_per_s", summary["episodes"] / max(summary["seconds"], 1e-9))
+    throughput = Text(
+        f"{summary['updates']} updates · {summary['episodes']} episodes in {_duration(summary['seconds'])} · "
+        f"{episodes_per_s:.2f} episodes/s · peak memory {summary['peak_memory_gb']:.2f} GB"
     )
-    console.print(f"final model: {summary['final_dir']}")
+    files = Table(show_header=False, box=None, pad_edge=False, title="files", title_justify="left", title_style="bold")
+    files.add_column(style="dim", no_wrap=True)
+    files.add_column(overflow="fold")
+    for name, path in (summary.get("files") or {"final model": summary["final_dir"]}).items():
+        files.add_row(name, path)
+    body = Group(_before_after(summary), Text(""), throughput, Text(""), _warnings_block(summary.get("warnings") or []),
+                 Text(""), files)
+    console.print(Panel(body, title=f"[bold]run {summary['run_dir']}[/]", title_align="left", expand=False))
 
 
 # --- rollout / score / eval / compare ------------------------------------------------------------
@@ -107,13 +156,18 @@ def _eos(finished: bool) -> str:
     return "yes" if finished else "no"
 
 
+def _say(message: str) -> None:
+    """One plain line on stdout: no markup (paths and prompts may hold '[...]'), never wrapped."""
+    console.print(Text(message), soft_wrap=True)
+
+
 def print_rollout(out: str, rows: int, prompts: int, model: str) -> None:
-    console.print(f"wrote {rows} rows ({prompts} prompts) from {model} to {out}")
+    _say(f"wrote {rows} rows ({prompts} prompts) from {model} to {out}")
 
 
 def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float]) -> None:
     parts = ", ".join(f"{name} {_signed(value)}" for name, value in components.items())
-    console.print(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}); wrote {out}")
+    _say(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}); wrote {out}")
 
 
 def _metric_rows(summary: dict) -> list[tuple[str, str]]:
@@ -128,26 +182,26 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
 
 
 def print_eval(summary: dict, out: str | None = None) -> None:
-    console.print(f"eval: {summary['description']}")
+    _say(f"eval: {summary['description']}")
     table = Table(header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, value in _metric_rows(summary):
-        table.add_row(label, value)
+        table.add_row(Text(label), Text(value))
     console.print(table)
-    console.print(f"{summary['num_prompts']} prompts x {summary['num_samples']} sample(s) from {summary['prompts']}, "
-                  f"seed {summary['seed']}, recipe {summary['recipe']}")
+    _say(f"{summary['num_prompts']} prompts x {summary['num_samples']} sample(s) from {summary['prompts']}, "
+         f"seed {summary['seed']}, recipe {summary['recipe']}")
     if out:
-        console.print(f"wrote {out}")
+        _say(f"wrote {out}")
 
 
 def compare_table(a: dict, b: dict, pairs: list[dict]) -> Table:
     """Seed 003's "Base vs Aligned" table: the prompt, then each model's response, reward and EOS."""
-    table = Table(title=f"A = {a['model']}   B = {b['model']}", header_style="bold", show_lines=True,
+    table = Table(title=Text(f"A = {a['model']}   B = {b['model']}"), header_style="bold", show_lines=True,
                   title_justify="left", expand=True)
     table.add_column("prompt", ratio=2, overflow="fold")
     for side, summary in (("A", a), ("B", b)):
-        table.add_column(f"{side}: {summary['model']}", ratio=3, overflow="fold")
+        table.add_column(Text(f"{side}: {summary['model']}"), ratio=3, overflow="fold")
         table.add_column("reward", justify="right", no_wrap=True)
         table.add_column("EOS", no_wrap=True)
     for pair in pairs:
@@ -188,13 +242,15 @@ def print_compare(a: dict, b: dict, difference: dict, pairs: list[dict], files: 
     console.print(compare_table(a, b, pairs))
     table = Table(title="summary", header_style="bold", title_justify="left")
     for name, justify in zip(_summary_headers(a, b), ("left", "right", "right", "right", "left")):
-        table.add_column(name, justify=justify)
+        table.add_column(Text(name), justify=justify)
     for row in _summary_rows(a, b, difference):
-        table.add_row(*row)
+        table.add_row(*map(Text, row))
     console.print(table)
-    console.print(f"A: {a['description']}\nB: {b['description']}\n{_summary_footnote(a, difference)}")
+    _say(f"A: {a['description']}")
+    _say(f"B: {b['description']}")
+    console.print(Text(_summary_footnote(a, difference), style="dim"))
     for path in files:
-        console.print(f"wrote {path}")
+        _say(f"wrote {path}")
 
 
 def _md(text: str) -> str:

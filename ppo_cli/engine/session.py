@@ -7,16 +7,43 @@ log-probs and scoring have one implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ppo_cli.engine.data import format_prompts, tokenize_prompts
-from ppo_cli.engine.generate import generate, resolve_stop_token_id, trim_padding
-from ppo_cli.engine.logprobs import policy_forward, reference_logprobs, selective_log_softmax, value_forward
-from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, build_actor_critic, load_tokenizer, resolve_device
+from ppo_cli.engine.generate import generate, generate_with_hidden, resolve_stop_token_id, trim_padding
+from ppo_cli.engine.logprobs import (
+    lm_logits,
+    policy_forward,
+    reference_logprobs,
+    selective_log_softmax,
+    value_forward,
+    values_from_hidden,
+)
+from ppo_cli.engine.models import (
+    POLICY_ADAPTER,
+    ActorCritic,
+    build_actor_critic,
+    disable_dropout,
+    load_pretrained,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    unwrap_causal_lm,
+)
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
+from ppo_cli.errors import ModelLoadError
 from ppo_cli.recipe import Recipe
+from ppo_cli.runs import ResolvedModel
 from ppo_cli.types import Generation, Rollout
+
+# Speed levers of the rollout (docs/benchmarks.md measures each); module flags so a benchmark can turn
+# one off. Old log-probs and head values from the generation's forward passes, not a second forward:
+REUSE_GENERATION_FORWARD = True
+# Reference and critic forwards of the rollout under torch.inference_mode (outputs cloned back to
+# normal tensors); the policy's own tensors stay out of it, they meet autograd in the update.
+INFERENCE_MODE = True
 
 
 @dataclass
@@ -34,14 +61,20 @@ class Engine:
 
     def generate(self, prompts: list[str]) -> Generation:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
+        return self._generate(prompts, keep_hidden=False)[0]
+
+    def _generate(self, prompts: list[str], keep_hidden: bool) -> tuple[Generation, torch.Tensor | None]:
+        """generate(); with ``keep_hidden`` also the policy's hidden states (B, T, H) that sampled the tokens."""
         recipe = self.recipe
         texts = format_prompts(prompts, self.tokenizer, recipe.data.chat_template)
         prompt_ids, prompt_mask = tokenize_prompts(texts, self.tokenizer, recipe.data.max_prompt_tokens, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
-        generation = generate(
-            self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id
-        )
-        return trim_padding(generation)
+        args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
+        generation, hidden = generate_with_hidden(*args) if keep_hidden else (generate(*args), None)
+        generation = trim_padding(generation)
+        if hidden is not None:
+            hidden = hidden[:, : generation.response_ids.shape[1]]
+        return generation, hidden
 
     def decode_responses(self, generation: Generation) -> list[str]:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
@@ -52,28 +85,56 @@ class Engine:
         )
 
     @torch.no_grad()
-    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int):
-        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask."""
+    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, policy_hidden: torch.Tensor | None = None):
+        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask.
+
+        ``policy_hidden`` (B, T, H): the policy's hidden states kept from generation
+        (generate_with_hidden); the policy's forward pass is then skipped, only its LM head (and value
+        head) runs on them.
+        """
         ac, temperature = self.actor_critic, self.recipe.generation.temperature
         sequences, attention_mask = generation.sequences, generation.attention_mask
         T = generation.response_ids.shape[1]
         logprobs, ref_logprobs, values = [], [], []
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
-            logits, vals = policy_forward(ac, seq, attn, T, temperature)
+            if policy_hidden is None:
+                logits, vals = policy_forward(ac, seq, attn, T, temperature)
+            else:
+                hidden = policy_hidden[rows]
+                logits = lm_logits(ac.policy, hidden, temperature)
+                vals = values_from_hidden(ac, hidden) if ac.value_kind == "head" else None
             logprobs.append(selective_log_softmax(logits, resp))
             del logits
-            ref_logprobs.append(reference_logprobs(ac, seq, attn, resp, temperature))
-            values.append(vals if vals is not None else value_forward(ac, seq, attn, T))
+            with torch.inference_mode(INFERENCE_MODE):
+                ref = reference_logprobs(ac, seq, attn, resp, temperature)
+                vals = vals if vals is not None else value_forward(ac, seq, attn, T)
+            ref_logprobs.append(ref.clone())  # clone: a normal tensor again, usable by the update's autograd
+            values.append(vals.clone())
         mask = generation.response_mask
         zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
         return zero(logprobs), zero(ref_logprobs), zero(values)
 
+    def reuses_generation_forward(self) -> bool:
+        """Take the old log-probs (and head values) from the generation's own forward passes?
+
+        Only where that is exact to float32 rounding (the KV-cached and the full forward agree to ~1e-6):
+        a float32, unquantized policy. In bfloat16, or through bitsandbytes' single-row kernels, the two
+        differ enough to move the first PPO ratio off 1, so those keep the separate forward.
+        """
+        if not REUSE_GENERATION_FORWARD:
+            return False
+        lm = unwrap_causal_lm(self.actor_critic.policy)
+        if any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit")):
+            return False
+        head = lm.get_output_embeddings()
+        return head is not None and head.weight.dtype == torch.float32
+
     def collect_rollout(self, prompts: list[str]) -> Rollout:
-        generation = self.generate(prompts)
+        generation, hidden = self._generate(prompts, keep_hidden=self.reuses_generation_forward())
         responses = self.decode_responses(generation)
         logprobs, ref_logprobs, values = self.evaluate_logprobs_and_values(
-            generation, self.recipe.ppo.micro_batch_size
+            generation, self.recipe.ppo.micro_batch_size, policy_hidden=hidden
         )
         result = self.score(prompts, responses, generation)
         scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
@@ -95,9 +156,11 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
 
 
-def load_engine(recipe: Recipe) -> Engine:
+def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
+    """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
+    (accelerate's) device when several processes train, else resolved from train.device."""
     quiet_libraries()
-    device = resolve_device(recipe.train.device)
+    device = device or resolve_device(recipe.train.device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
     pol = recipe.policy
@@ -106,3 +169,118 @@ def load_engine(recipe: Recipe) -> Engine:
     reward = RewardStack(recipe.reward, device)
     actor_critic = build_actor_critic(recipe, device)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id)
+
+
+# --- inference: `ppo rollout / eval / compare` load a policy and its reference, no critic ---------
+
+
+class InferencePolicy(ActorCritic):
+    """A policy and its reference without a critic, in the training ActorCritic's shape, so that
+    Engine.generate, policy_forward and reference_logprobs run on it unchanged.
+
+    The reference is the base with the LoRA adapter disabled (a peft policy and no ``ref_model``),
+    a separate frozen ``ref_model``, or, when the policy is itself the reference (``base``), the
+    policy: ``reference_is_policy`` makes the KL exactly 0 without a second forward.
+    """
+
+    def __init__(self, policy: torch.nn.Module, ref_model: torch.nn.Module | None = None, reference_is_policy: bool = False):
+        policy.requires_grad_(False)
+        super().__init__(policy, value_kind="none", value_head=None, ref_model=ref_model)
+        self.reference_is_policy = reference_is_policy
+
+    def value_parameters(self) -> list:
+        return []
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model references name the same weights (local paths compared after resolving)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def load_reward_stack(recipe: Recipe) -> RewardStack:
+    """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`)."""
+    quiet_libraries()
+    return RewardStack(recipe.reward, resolve_device(recipe.train.device))
+
+
+def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:
+    """An Engine for sampling and log-probs from ``model`` with the recipe's tokenizer options,
+    generation settings and reference; ``reward`` is kept as given (None when only sampling).
+
+    The weights are ``model.weights_path`` (+ the LoRA adapter, loaded as the ``policy`` adapter);
+    the reference is the recipe's (``reference.path``, else ``policy.path``): the same base with the
+    adapter disabled when it is the adapter's base, the policy itself when it is the same model,
+    otherwise a separate frozen copy.
+    """
+    from transformers import AutoModelForCausalLM
+
+    quiet_libraries()
+    device = resolve_device(recipe.train.device)
+    if recipe.train.num_threads:
+        torch.set_num_threads(recipe.train.num_threads)
+    pol = recipe.policy
+    revision = pol.revision if model.weights_path == pol.path else None
+    common = dict(device=device, trust_remote_code=pol.trust_remote_code)
+    tokenizer = load_tokenizer(model.tokenizer_path, trust_remote_code=pol.trust_remote_code,
+                               revision=revision if model.tokenizer_path == pol.path else None)
+    stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
+    policy = load_pretrained(AutoModelForCausalLM, model.weights_path, dtype=resolve_dtype(pol.dtype, device),
+                             quantization=pol.quantization, revision=revision, **common)
+    if model.adapter_dir is not None:
+        policy = _load_adapter(policy, model.adapter_dir)
+    policy.eval()
+
+    reference_path = recipe.reference.path or pol.path
+    ref_model, reference_is_policy = None, False
+    if model.adapter_dir is not None and _same_model(reference_path, model.base_path):
+        pass  # the base with the adapter disabled, as in training
+    elif model.adapter_dir is None and _same_model(reference_path, model.weights_path):
+        reference_is_policy = True
+    else:
+        ref = recipe.reference
+        ref_model = load_pretrained(
+            AutoModelForCausalLM, reference_path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
+            quantization=ref.quantization, revision=pol.revision if reference_path == pol.path else None, **common,
+        )
+        ref_model.requires_grad_(False).eval()
+    actor = InferencePolicy(policy, ref_model, reference_is_policy)
+    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id)
+
+
+def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    from peft import PeftModel
+
+    try:
+        model = PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=POLICY_ADAPTER)
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+        raise ModelLoadError(f"cannot load the LoRA adapter in {adapter_dir}: {first_line}") from err
+    disable_dropout(model)
+    return model
+
+
+@torch.no_grad()
+def evaluate_policy_logprobs(engine: Engine, generation: Generation, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy and reference log-probs (B, T) of the sampled response tokens, 0 outside the response mask.
+
+    The forward functions of Engine.evaluate_logprobs_and_values (temperature-scaled, chunked), so
+    the numbers are the ones training sees; only the critic is left out.
+    """
+    ac, temperature = engine.actor_critic, engine.recipe.generation.temperature
+    sequences, attention_mask = generation.sequences, generation.attention_mask
+    T = generation.response_ids.shape[1]
+    logprobs, ref_logprobs = [], []
+    for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
+        seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
+        logits, _ = policy_forward(ac, seq, attn, T, temperature)
+        logprobs.append(selective_log_softmax(logits, resp))
+        del logits
+        if getattr(ac, "reference_is_policy", False):
+            ref_logprobs.append(logprobs[-1])
+        else:
+            ref_logprobs.append(reference_logprobs(ac, seq, attn, resp, temperature))
+    mask = generation.response_mask
+    return torch.cat(logprobs).masked_fill(~mask, 0.0), torch.cat(ref_logprobs).masked_fill(~mask, 0.0)

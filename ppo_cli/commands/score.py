@@ -1,0 +1,96 @@
+"""`ppo score`: add the recipe's reward to every row of a rollouts file.
+
+The reward is the training RewardStack (same components, weights and penalties). All rows are
+scored in one call, so the reward models see the same batches every time: scoring a file twice, or
+scoring what `ppo eval` sampled, gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppo_cli.errors import DataError
+from ppo_cli.recipe import Recipe
+
+
+@dataclass
+class ScoreRunResult:
+    out: Path
+    rows: int
+    mean_reward: float
+    components: dict[str, float]  # name -> mean value
+
+
+def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
+    """Rows of a rollouts JSONL file, each checked for the fields the recipe's reward needs."""
+    path = Path(path)
+    needed = {"prompt": str, "response": str}
+    if recipe.reward.missing_eos_penalty is not None:
+        needed["finished"] = bool  # reward.missing_eos_penalty reads it
+    if recipe.reward.max_response_tokens is not None:
+        needed["response_tokens"] = int  # reward.max_response_tokens reads it
+    rows = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}",
+                            hint="a rollouts file has one JSON object per line, as `ppo rollout` writes")
+        for name, kind in needed.items():
+            if name not in row:
+                raise DataError(f"{path}:{lineno}: no '{name}' field (fields: {', '.join(sorted(row)) or 'none'})",
+                                hint="score files written by `ppo rollout`")
+            if not isinstance(row[name], kind) or (kind is int and isinstance(row[name], bool)):
+                raise DataError(f"{path}:{lineno}: '{name}' must be {_KIND_NAMES[kind]}, got {type(row[name]).__name__}")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows in this file", hint="write rollouts with `ppo rollout MODEL --out FILE`")
+    return rows
+
+
+_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise DataError(f"rollouts file not found: {path}", hint="write one with `ppo rollout MODEL --out FILE`")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start})", hint="save the file as UTF-8") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def score_rows(reward, rows: list[dict]) -> list[dict]:
+    """Copies of ``rows`` with ``reward`` (the total) and ``reward_components`` (name -> value,
+    penalties as negative numbers) from one RewardStack.score call over all rows."""
+    result = reward.score(
+        [r["prompt"] for r in rows],
+        [r["response"] for r in rows],
+        [bool(r.get("finished", True)) for r in rows],
+        [int(r.get("response_tokens", 0)) for r in rows],
+    )
+    return [
+        {**row, "reward": float(total), "reward_components": {name: float(values[i]) for name, values in result.components.items()}}
+        for i, (row, total) in enumerate(zip(rows, result.scores))
+    ]
+
+
+def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
+    from ppo_cli.engine.session import load_reward_stack
+    from ppo_cli.runs import write_jsonl_atomic
+    from ppo_cli.stats import mean
+
+    rows = read_rollouts(rollouts, recipe)
+    scored = score_rows(load_reward_stack(recipe), rows)
+    write_jsonl_atomic(out, scored)
+    names = list(scored[0]["reward_components"])
+    components = {name: mean([r["reward_components"][name] for r in scored]) for name in names}
+    return ScoreRunResult(Path(out), len(scored), mean([r["reward"] for r in scored]), components)

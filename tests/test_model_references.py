@@ -1,0 +1,164 @@
+"""Model references (base / aligned / run / checkpoint / local / hub) -> paths, and atomic outputs.
+
+Fake run directories only (a few small files), so nothing here loads a model or imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ppo_cli.errors import ModelReferenceError, UsageError
+from ppo_cli.runs import (
+    AtomicJsonlWriter,
+    check_output_path,
+    latest_run,
+    recipe_for_models,
+    resolve_model_reference,
+    write_jsonl_atomic,
+)
+
+
+def make_run(root: Path, name: str, *, lora: bool = True, final: bool = True, checkpoint: bool = True) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(f"name: {name}\npolicy:\n  path: models/base-{name}\n")
+    targets = ([run / "final"] if final else []) + ([run / "checkpoints" / "step-000002"] if checkpoint else [])
+    for directory in targets:
+        directory.mkdir(parents=True)
+        weights = "adapter_config.json" if lora else "config.json"
+        (directory / weights).write_text(json.dumps({"base_model_name_or_path": "somewhere/else"}))
+        (directory / "tokenizer_config.json").write_text("{}")
+        (directory / "manifest.json").write_text("{}")
+    if final:
+        (run / "final" / "ppo_cli.json").write_text(json.dumps({"policy_path": f"models/base-{name}", "lora": lora}))
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    old, new = make_run(tmp_path / "runs", "old"), make_run(tmp_path / "runs", "new")
+    past = time.time() - 100
+    for path in (old, old / "recipe.yaml", old / "final"):
+        os.utime(path, (past, past))
+    return tmp_path / "runs"
+
+
+def test_base_and_aligned_resolve_against_the_most_recent_run(runs: Path):
+    base = resolve_model_reference("base")
+    assert (base.kind, base.base_path, base.adapter_dir, base.full_model_dir) == ("base", "models/base-new", None, None)
+    assert base.recipe_path.resolve() == (runs / "new" / "recipe.yaml").resolve()
+    aligned = resolve_model_reference("aligned")
+    assert aligned.kind == "aligned"
+    assert aligned.adapter_dir.resolve() == (runs / "new" / "final").resolve()
+    assert aligned.base_path == "models/base-new"  # ppo_cli.json wins over adapter_config's base
+    assert aligned.tokenizer_path == str(aligned.adapter_dir)
+
+
+def test_run_option_picks_the_run(runs: Path):
+    assert resolve_model_reference("base", runs / "old").base_path == "models/base-old"
+    assert latest_run(runs) == runs / "new"
+
+
+def test_run_directory_means_its_final_model_and_a_checkpoint_keeps_the_run_base(runs: Path):
+    by_run = resolve_model_reference(str(runs / "old"))
+    assert by_run.adapter_dir.resolve() == (runs / "old" / "final").resolve()
+    checkpoint = resolve_model_reference(str(runs / "old" / "checkpoints" / "step-000002"))
+    assert (checkpoint.kind, checkpoint.base_path) == ("checkpoint", "models/base-old")
+    assert checkpoint.recipe_path.resolve() == (runs / "old" / "recipe.yaml").resolve()
+
+
+def test_full_fine_tune_final_is_loaded_whole_with_the_run_base_as_reference(tmp_path: Path):
+    run = make_run(tmp_path, "full", lora=False)
+    resolved = resolve_model_reference(str(run / "final"))
+    assert resolved.adapter_dir is None
+    assert resolved.full_model_dir == run / "final"
+    assert resolved.weights_path == str(run / "final")
+    assert resolved.base_path == "models/base-full"
+
+
+def test_plain_local_model_and_hub_id(tmp_path: Path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    local = resolve_model_reference(str(model))
+    assert (local.kind, local.base_path, local.recipe_path) == ("model", str(model), None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    hub = resolve_model_reference("Qwen/Qwen2.5-0.5B")
+    assert (hub.kind, hub.base_path) == ("hub", "Qwen/Qwen2.5-0.5B")
+
+
+@pytest.mark.parametrize(
+    "ref, message, hint_start",
+    [
+        ("alignd", "unknown model reference 'alignd'", "did you mean 'aligned'?"),
+        ("not a model!", "unknown model reference 'not a model!'", "a model is 'base' or 'aligned'"),
+        ("./missing", "model directory not found: ./missing", "check the path"),
+        ("some-hub-model", "unknown model reference 'some-hub-model': not base/aligned, not a directory, "
+         "and the hub is offline (HF_HUB_OFFLINE=1)", "a model is"),
+    ],
+)
+def test_unknown_references_get_one_clear_line(tmp_path: Path, monkeypatch, ref, message, hint_start):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelReferenceError) as err:
+        resolve_model_reference(ref)
+    assert err.value.message == message
+    assert err.value.hint.startswith(hint_start)
+
+
+def test_missing_runs_are_reported(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelReferenceError, match=r"^no run found under runs/$"):
+        resolve_model_reference("aligned")
+    with pytest.raises(ModelReferenceError, match=r"^run directory not found: nope$"):
+        resolve_model_reference("base", "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelReferenceError, match=r"^empty is not a run directory \(no recipe.yaml\)$"):
+        resolve_model_reference("base", "empty")
+    unfinished = make_run(tmp_path / "runs", "unfinished", final=False)
+    with pytest.raises(ModelReferenceError, match=r"has no final/ model$") as err:
+        resolve_model_reference("aligned", unfinished)
+    assert err.value.hint == f"use a checkpoint instead, e.g. {unfinished / 'checkpoints' / 'step-000002'}"
+
+
+def test_directory_that_is_not_a_model(tmp_path: Path):
+    (tmp_path / "stuff").mkdir()
+    with pytest.raises(ModelReferenceError, match="not a model, run or checkpoint directory"):
+        resolve_model_reference(str(tmp_path / "stuff"))
+
+
+def test_recipe_comes_from_the_model_run_then_the_run_option(runs: Path, tmp_path: Path):
+    aligned = resolve_model_reference("aligned", runs / "old")
+    assert recipe_for_models([aligned]) == aligned.recipe_path
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    local = resolve_model_reference(str(model))
+    assert recipe_for_models([local], runs / "old") == runs / "old" / "recipe.yaml"
+    with pytest.raises(ModelReferenceError, match=f"^no recipe for {model}: it is not part of a run, and no run found"):
+        recipe_for_models([local], output_root=tmp_path / "elsewhere")
+
+
+def test_atomic_jsonl_writer_leaves_nothing_behind_on_error(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("old contents\n")
+    with pytest.raises(RuntimeError):
+        with AtomicJsonlWriter(out) as writer:
+            writer.write({"a": 1})
+            raise RuntimeError("failed half way")
+    assert out.read_text() == "old contents\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+    assert write_jsonl_atomic(out, [{"a": 1}, {"b": "é"}]) == 2
+    assert out.read_text(encoding="utf-8") == '{"a": 1}\n{"b": "é"}\n'
+
+
+def test_check_output_path_rejects_a_directory(tmp_path: Path):
+    with pytest.raises(UsageError, match=r"is a directory$"):
+        check_output_path(tmp_path)
+    assert check_output_path(tmp_path / "new" / "out.jsonl") == tmp_path / "new" / "out.jsonl"
