@@ -236,7 +236,9 @@ def load_checkpoint(state, directory: Path) -> None:
     verify_manifest(directory)
     load_policy_and_value(state.engine.actor_critic, directory)
     # weights_only: a checkpoint is data, never code.
-    training = torch.load(directory / "training_state.pt", map_location=state.engine.device, weights_only=True)
+    # map_location="cpu": accelerate names the CPU "cpu:0" with several processes, which torch.load cannot
+    # restore; optimizer.load_state_dict moves each state to its parameter's device anyway.
+    training = torch.load(directory / "training_state.pt", map_location="cpu", weights_only=True)
     state.optimizer.load_state_dict(training["optimizer"])
     state.scheduler.load_state_dict(training["scheduler"])
     trainer_state = json.loads((directory / "trainer_state.json").read_text())
