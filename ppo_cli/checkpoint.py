@@ -6,6 +6,7 @@ complete; its manifest (files, sizes, sha256) is the last file written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -63,22 +64,31 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
+@contextlib.contextmanager
+def atomic_directory(target: Path, manifest_info: dict):
+    """Yield a temporary directory beside ``target``; when the block succeeds, write the manifest
+    last and rename it into place. A crash at any moment leaves ``target`` as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        yield tmp
+        write_manifest(tmp, manifest_info)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dtype: torch.dtype | None = None) -> None:
     """Write final/ atomically; with ``merge_dtype`` also final/merged/ (LoRA folded into the base)."""
-    tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=".final-"))
-    try:
+    with atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
         save_policy_and_value(ac, tokenizer, tmp)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         if merge_dtype is not None and ac.is_peft:
             merge_adapter(info["policy_path"], tmp, tmp / "merged", merge_dtype, info.get("trust_remote_code", False))
             tokenizer.save_pretrained(tmp / "merged")
-        write_manifest(tmp, {"kind": "final", "step": info.get("step")})
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        tmp.rename(final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool) -> None:
@@ -124,9 +134,7 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
 
 
 def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int) -> None:
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=checkpoints_dir, prefix=f".step-{state.step:06d}-"))
-    try:
+    with atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp)
         torch.save(
             {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(), "rng": rng_states},
@@ -137,13 +145,6 @@ def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states:
             "kl_controller": state.kl_controller.state_dict(), "sampler": state.sampler.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        write_manifest(tmp, {"kind": "checkpoint", "step": state.step})
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        tmp.rename(final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     complete = sorted(p for p in checkpoints_dir.glob("step-*") if (p / MANIFEST).exists())
     for old in complete[:-keep]:
         shutil.rmtree(old)

@@ -7,10 +7,10 @@ scoring what `ppo eval` sampled, gives the same numbers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppo_cli.engine.data import read_jsonl_objects
 from ppo_cli.errors import DataError
 from ppo_cli.recipe import Recipe
 
@@ -32,16 +32,8 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
     if recipe.reward.max_response_tokens is not None:
         needed["response_tokens"] = int  # reward.max_response_tokens reads it
     rows = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}",
-                            hint="a rollouts file has one JSON object per line, as `ppo rollout` writes")
+    hint = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
+    for lineno, row in read_jsonl_objects(path, "rollouts file", hint):
         for name, kind in needed.items():
             if name not in row:
                 raise DataError(f"{path}:{lineno}: no '{name}' field (fields: {', '.join(sorted(row)) or 'none'})",
@@ -55,17 +47,6 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
 
 
 _KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
-
-
-def _read_text(path: Path) -> str:
-    if not path.exists():
-        raise DataError(f"rollouts file not found: {path}", hint="write one with `ppo rollout MODEL --out FILE`")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text (byte {err.start})", hint="save the file as UTF-8") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
 
 
 def score_rows(reward, rows: list[dict]) -> list[dict]:

@@ -16,26 +16,22 @@ class PromptSet:
     skipped_blank: int = 0  # blank lines skipped in a .txt file, reported to the user
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path, what: str = "prompts file", hint: str | None = None) -> str:
+    """A UTF-8 file's text, or one DataError line saying why it cannot be had."""
+    if not path.exists():
+        raise DataError(f"{what} not found: {path}", hint=hint)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(
-            f"{path}: not UTF-8 text (byte {err.start})", hint="save the prompts file as UTF-8"
-        ) from None
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start})", hint="save the file as UTF-8") from None
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
 
 
-def _read_txt(path: Path) -> PromptSet:
-    lines = _read_text(path).splitlines()
-    prompts = [line for line in lines if line.strip()]
-    return PromptSet(prompts, skipped_blank=len(lines) - len(prompts))
-
-
-def _read_jsonl(path: Path, field_name: str) -> PromptSet:
-    prompts: list[str] = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+def read_jsonl_objects(path: Path, what: str = "prompts file", hint: str | None = None) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a line that is not a JSON object is an error."""
+    rows = []
+    for lineno, line in enumerate(read_text(path, what).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -43,7 +39,20 @@ def _read_jsonl(path: Path, field_name: str) -> PromptSet:
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
         if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}", hint=hint)
+        rows.append((lineno, row))
+    return rows
+
+
+def _read_txt(path: Path) -> PromptSet:
+    lines = read_text(path).splitlines()
+    prompts = [line for line in lines if line.strip()]
+    return PromptSet(prompts, skipped_blank=len(lines) - len(prompts))
+
+
+def _read_jsonl(path: Path, field_name: str) -> PromptSet:
+    prompts: list[str] = []
+    for lineno, row in read_jsonl_objects(path):
         if field_name not in row:
             keys = ", ".join(sorted(row)) or "none"
             raise DataError(
