@@ -159,6 +159,27 @@ def plot(
     typer.echo(f"wrote {plot_run(run_dir)}")
 
 
+@app.command()
+def plan(
+    recipe: RecipeArg,
+    overrides: OverridesOpt = None,
+    gpu_memory: Annotated[
+        Optional[float],
+        typer.Option("--gpu-memory", metavar="GB", min=0.1, help="Plan for a GPU with this much memory (GB) and say "
+                     "whether the recipe fits. Default: the local GPU's memory, if any.", show_default=False),
+    ] = None,
+) -> None:
+    """Memory each role needs (weights, LoRA, gradients, optimizer, activations, KV cache), from the model
+    configs alone; if it does not fit, the recipe changes that would make it fit."""
+    from ppo_cli.recipe import load_recipe
+
+    resolved = load_recipe(recipe, overrides or ())
+    from ppo_cli.commands.plan import render, run as run_plan  # imports torch: only after the recipe is valid
+    from ppo_cli.report import console
+
+    console.print(render(run_plan(resolved, gpu_memory)))
+
+
 # --- rollout / score / eval / compare: models on prompts, composed through JSONL files ----------
 
 ModelArg = Annotated[

@@ -197,6 +197,13 @@ class PPOConfig(Section):
     whiten_advantages: bool = Field(True, description="Normalise advantages to zero mean, unit variance over response tokens.")
     whiten_rewards: bool = Field(False, description="Normalise the shaped per-token rewards before GAE (TRL: whiten_rewards).")
     max_kl: float | None = Field(None, gt=0.0, description="Stop the epoch loop early when mean approx-KL passes this.")
+    rollout_logprobs: Literal["forward", "generation"] = Field(
+        "forward",
+        description="Where the rollout's old log-probs (and value-head values) come from. forward: a separate "
+        "forward pass over the finished sequences, bit-identical to the update's. generation: the sampling passes' "
+        "own hidden states, one policy forward fewer per update (as TRL); equal up to float32 rounding (~1e-6). "
+        "Only float32 unquantized policies use generation; others fall back to forward.",
+    )
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> "PPOConfig":
@@ -234,7 +241,7 @@ class OptimConfig(Section):
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the global gradient norm; null disables.")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in updates (the schedule steps once per PPO update, as TRL).")
 
 
 class TrainConfig(Section):
@@ -248,6 +255,72 @@ class TrainConfig(Section):
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads. Default: torch's.")
     max_consecutive_skips: int = Field(
         3, gt=0, description="Stop after this many updates in a row skipped for non-finite numbers."
+    )
+
+
+class MonitorConfig(Section):
+    """Health warnings during training (ppo_cli/monitor.py): each rule looks at the last `window` updates."""
+
+    enabled: bool = Field(True, description="Watch the metrics and warn about runs going wrong (seed 001's failure modes).")
+    window: int = Field(
+        10, ge=2, description="Updates each rule looks at (the moving window); KL and value-loss trends also skip the first window."
+    )
+    repeat_every: int = Field(20, ge=1, description="Print a warning again after this many updates while it is still active.")
+    trend: float = Field(
+        0.5, gt=0.0, le=1.0, description="Kendall tau over the window that counts as a steady rise (its negative: a steady fall)."
+    )
+    clipfrac_high: float = Field(0.5, gt=0.0, le=1.0, description="Warn above this mean clip fraction (steps too large).")
+    clipfrac_low: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Warn below this mean clip fraction while the reward is flat (steps too small)."
+    )
+    approx_kl_high: float = Field(
+        0.1, gt=0.0, description="Warn above this mean approx-KL between the rollout policy and the updated one."
+    )
+    kl_per_token_high: float = Field(
+        1.0, gt=0.0, description="Warn above this KL to the reference per response token, in nats (typical runs stay below 0.5)."
+    )
+    kl_growth: float = Field(
+        2.0, gt=1.0, description="Warn when KL to the reference still rises after the first window, this many times its level then."
+    )
+    kl_zero: float = Field(
+        1e-3, ge=0.0, description="Warn when KL to the reference (nats per response) stays below this: the reference is the policy."
+    )
+    value_loss_growth: float = Field(
+        2.0, gt=1.0, description="Warn when the value loss rises steadily to this many times its lowest window mean."
+    )
+    entropy_drop: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Warn when the per-token policy entropy falls below this fraction of its starting value."
+    )
+    distinct_drop: float = Field(
+        0.25, gt=0.0, lt=1.0,
+        description="Warn when the reward rises while distinct-1 of the responses falls this fraction below its first window "
+        "(reward hacking).",
+    )
+    eos_rate_floor: float = Field(0.0, ge=0.0, lt=1.0, description="Warn when the EOS rate stays at or below this for a whole window.")
+    ratio_tolerance: float = Field(
+        0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
+    )
+
+    @model_validator(mode="after")
+    def _clipfrac_band(self) -> "MonitorConfig":
+        if self.clipfrac_low >= self.clipfrac_high:
+            raise _rule_error(
+                f"must be below monitor.clipfrac_high ({self.clipfrac_high}), got {self.clipfrac_low}",
+                "the healthy clip fraction lies between the two; defaults 0.05 and 0.5",
+                key="clipfrac_low",
+            )
+        return self
+
+
+TrackerName = Literal["wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio"]
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(
+        False, description="Write TensorBoard event files to RUN_DIR/tensorboard/ with the metrics.jsonl names (no extra package)."
+    )
+    trackers: list[TrackerName] = Field(
+        [], description="Experiment trackers run through accelerate (each needs its own package, e.g. pip install wandb)."
     )
 
 
@@ -269,6 +342,8 @@ class Recipe(Section):
     ppo: PPOConfig = Field(PPOConfig(), description="Batch sizes and PPO hyperparameters.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and learning-rate schedule.")
     train: TrainConfig = Field(..., description="Run length, checkpointing, logging and device.")
+    monitor: MonitorConfig = Field(MonitorConfig(), description="Health warnings: thresholds of the rules watching the metrics.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="TensorBoard and experiment trackers, besides metrics.jsonl.")
 
     @property
     def run_dir(self) -> Path:

@@ -26,7 +26,7 @@ import yaml
 from ppo_cli.errors import ModelReferenceError, UsageError
 
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.json", "summary.json")
-RUN_DIRS = ("checkpoints", "final", "plots")
+RUN_DIRS = ("checkpoints", "final", "plots", "tensorboard", "trackers")
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -60,6 +60,9 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
             load_reward_function(component.function)
         else:
             check_model_reference(component.path)
+    from ppo_cli.tracking import check_trackers
+
+    check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
     return prompts, eval_prompts
 
 
@@ -183,10 +186,12 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
         })
 
 
-def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path) -> None:
-    """Updates until the end; metrics, samples and progress from the main process only."""
+def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
+    """Updates until the end; metrics, samples, health warnings and progress from the main process only.
+    Returns the main process's RunObserver (None elsewhere)."""
     from ppo_cli import report
     from ppo_cli.checkpoint import save_checkpoint
+    from ppo_cli.observe import RunObserver
     from ppo_cli.runs import JsonlWriter
     from ppo_cli.trainer import train
 
@@ -194,12 +199,15 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path) -> None:
     metrics_writer = JsonlWriter(run_dir.metrics) if main else None
     samples_writer = JsonlWriter(run_dir.samples) if main else None
     progress = report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every, enabled=main)
+    observer = RunObserver(recipe, run_dir, resumed_at=state.step) if main else None
     try:
         with progress:
             for metrics, rollout in train(state):
                 if main:
+                    observer.observe(metrics, state.step)  # prints new health warnings, adds health/warnings
                     if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
                         metrics_writer.write(metrics)
+                        observer.log(metrics, state.step)
                     _write_samples(samples_writer, recipe, state.step, rollout)
                     progress.update(metrics)
                 last = state.step == recipe.train.total_updates
@@ -214,9 +222,10 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path) -> None:
                         hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
                     )
     finally:
-        for writer in (metrics_writer, samples_writer):
+        for writer in (metrics_writer, samples_writer, observer):
             if writer is not None:
                 writer.close()
+    return observer
 
 
 def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
@@ -249,7 +258,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     return before
 
 
-def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float) -> dict:
+def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None) -> dict:
     """final/, eval.json and summary.json, written by the main process."""
     import torch
 
@@ -275,6 +284,8 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float) -
         "before": {k: v for k, v in (before or {}).items() if k != "samples"},
         "after": {k: v for k, v in (after or {}).items() if k != "samples"},
     }
+    if observer is not None:
+        summary.update(observer.finish(summary))  # learning-curve plot, warnings, files
     atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
     report.print_train_summary(summary)
     return summary
@@ -316,8 +327,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
 
     with StopOnSignal() as stop:
-        _train_loop(state, run_dir, stop, recipe_path)
+        observer = _train_loop(state, run_dir, stop, recipe_path)
 
-    summary = _finish(state, run_dir, eval_prompts, before, merge, started) if dist.is_main else {}
+    summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -1,0 +1,413 @@
+"""Health warnings: small rules over a moving window of the training metrics.
+
+Each rule encodes one of seed 001's "knobs that break runs" (symptom -> cause -> fix): it looks at
+the last ``window`` updates of a few metrics and, when its pattern shows, says what it sees (with the
+numbers), the likely cause and the fix, in plain words.
+
+    monitor = HealthMonitor(recipe.monitor)
+    for metrics in training:
+        for warning in monitor.observe(metrics, step):  # new warnings, and reminders
+            report.print_health_warning(asdict(warning))
+        metrics["health/warnings"] = monitor.active     # rule ids active now
+
+A warning is returned when its rule starts firing, and again every ``repeat_every`` updates while it
+keeps firing (a rule that flickers on and off is not repeated more often than that). Nothing fires
+before a full window, except the ratio check, which needs 3 updates.
+
+Level rules (clip fraction, approx-KL, KL per token, EOS rate, ratio) average the window. Trend rules
+(KL growing, value loss rising, reward vs distinct-1) call a series rising when Kendall's tau over the
+window passes ``trend`` (scale-free; pure noise passes 0.5 about 2% of the time on 10 points) and
+compare the window's recent half with a reference level: KL with its level at the end of the first
+window, the value loss with its lowest window mean, distinct-1 with its first window. KL growing and
+value loss rising also skip the first window, where both move away from their start by design.
+
+Pure Python (no torch, no numpy), so it can be tested with hand-written metric streams.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from ppo_cli.recipe import MonitorConfig
+
+# The metrics the rules read (names as in metrics.jsonl; trainer.py writes them).
+CLIPFRAC = "policy/clipfrac_avg"
+APPROX_KL = "policy/approxkl_avg"
+KL = "objective/kl"
+KL_COEF = "objective/kl_coef"
+VALUE_LOSS = "loss/value_avg"
+ENTROPY = "policy/entropy_avg"
+SCORES = "objective/scores"
+DISTINCT = "samples/distinct_1"
+EOS_RATE = "eos_rate"
+RATIO_FIRST = "val/ratio_first_minibatch"
+LENGTH = "response_length"
+WATCHED = (CLIPFRAC, APPROX_KL, KL, KL_COEF, VALUE_LOSS, ENTROPY, SCORES, DISTINCT, EOS_RATE, RATIO_FIRST, LENGTH)
+
+BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
+RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
+
+
+@dataclass(frozen=True)
+class HealthWarning:
+    rule: str  # the rule id, e.g. "clipfrac_high"
+    message: str  # what is seen, with the numbers
+    cause: str  # the likely cause
+    fix: str  # what to change (recipe keys named)
+    step: int  # the update at which it is reported
+    value: float  # the number that crossed the threshold
+    since: int  # the update at which this episode of the rule began (== step when new)
+
+
+class History:
+    """The last ``window`` values of each watched metric, the first ``window`` values (the run's
+    start), the lowest window mean so far, and how many updates were seen."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.seen = 0
+        self.series: dict[str, deque] = {name: deque(maxlen=window) for name in WATCHED}
+        self.first: dict[str, list[float]] = {name: [] for name in WATCHED}
+        self.lowest_mean: dict[str, float] = {}
+
+    def add(self, metrics: Mapping[str, object]) -> None:
+        self.seen += 1
+        for name in WATCHED:
+            value = metrics.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.series[name].append(float(value))
+                if len(self.first[name]) < self.window:
+                    self.first[name].append(float(value))
+                if len(self.series[name]) == self.window and math.isfinite(now := mean(self.series[name])):
+                    self.lowest_mean[name] = min(now, self.lowest_mean.get(name, now))
+
+    def start_level(self, name: str) -> Optional[float]:
+        """The level a metric reached by the end of the first window (mean of its second half)."""
+        first = self.first[name]
+        return mean(first[self.window // 2 :]) if len(first) == self.window else None
+
+    def window_of(self, name: str, skip_first_window: bool = False) -> Optional[list[float]]:
+        """The full window of ``name``, or None while there are fewer values (or, with
+        ``skip_first_window``, while the window still reaches into the first ``window`` updates)."""
+        values = self.series[name]
+        if len(values) < self.window or (skip_first_window and self.seen < 2 * self.window):
+            return None
+        return list(values)
+
+    def recent(self, name: str, count: int) -> Optional[list[float]]:
+        values = list(self.series[name])[-count:]
+        return values if len(values) == count else None
+
+    def latest(self, name: str) -> Optional[float]:
+        return self.series[name][-1] if self.series[name] else None
+
+
+# --- small statistics -----------------------------------------------------------------------------
+
+
+def mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def recent_half_mean(values: Sequence[float]) -> float:
+    """Mean of the window's most recent half: where a trend has got to, with the noise averaged."""
+    return mean(values[-max(1, len(values) // 2) :])
+
+
+def kendall_tau(values: Sequence[float]) -> float:
+    """Kendall's tau of the values against time: +1 always rising, -1 always falling, ~0 noise.
+
+    tau = (concordant - discordant pairs) / all pairs. On 10 points of pure noise it passes 0.5 about
+    2% of the time; it ignores the scale, so one rule works for KL in nats and losses of any size.
+    """
+    n = len(values)
+    if n < 2:
+        return 0.0
+    score = sum((values[j] > values[i]) - (values[j] < values[i]) for i in range(n) for j in range(i + 1, n))
+    return score / (n * (n - 1) / 2)
+
+
+# --- the rules -------------------------------------------------------------------------------------
+
+Check = Callable[[History, MonitorConfig], Optional[tuple[float, str]]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    check: Check  # (history, config) -> (value, message) when the rule fires, else None
+    cause: str
+    fix: str
+
+
+RULES: list[Rule] = []
+
+
+def rule(rule_id: str, cause: str, fix: str) -> Callable[[Check], Check]:
+    def register(check: Check) -> Check:
+        RULES.append(Rule(rule_id, check, cause, fix))
+        return check
+
+    return register
+
+
+@rule(
+    "clipfrac_high",
+    cause="each optimizer step moves the policy too far in ratio space: most tokens hit the clip and "
+    "the gradient becomes erratic, so the reward grows slowly and noisily",
+    fix="lower optim.lr by 2x, or cut ppo.ppo_epochs (e.g. from 4 to 2)",
+)
+def _clipfrac_high(h: History, c: MonitorConfig):
+    values = h.window_of(CLIPFRAC)
+    if values is not None and mean(values) > c.clipfrac_high:
+        return mean(values), f"clip fraction {mean(values):.2f} over the last {len(values)} updates is above {c.clipfrac_high:g}"
+    return None
+
+
+@rule(
+    "clipfrac_low",
+    cause="the policy barely changes per update: the learning rate is too low or the prompts too "
+    "narrow (or the run has converged and there is nothing left to learn)",
+    fix="raise optim.lr carefully (2x) or widen data.prompts; if the reward is at its ceiling, stop the run here",
+)
+def _clipfrac_low(h: History, c: MonitorConfig):
+    values, scores = h.window_of(CLIPFRAC), h.window_of(SCORES)
+    if values is None or scores is None or mean(values) >= c.clipfrac_low or kendall_tau(scores) >= c.trend:
+        return None
+    return mean(values), (
+        f"clip fraction {mean(values):.3f} over the last {len(values)} updates is below {c.clipfrac_low:g} "
+        f"and the reward is not rising"
+    )
+
+
+@rule(
+    "approx_kl_high",
+    cause="the updated policy ends far from the policy that sampled the batch, so the clipped "
+    "objective no longer keeps each update inside a trust region",
+    fix="lower optim.lr by 2x, use fewer ppo.ppo_epochs, or set ppo.max_kl (e.g. 0.1) to stop the epochs early",
+)
+def _approx_kl_high(h: History, c: MonitorConfig):
+    values = h.window_of(APPROX_KL)
+    if values is not None and mean(values) > c.approx_kl_high:
+        return mean(values), f"approx-KL {mean(values):.3f} per update over the last {len(values)} updates is above {c.approx_kl_high:g}"
+    return None
+
+
+@rule(
+    "kl_growing",
+    cause="the KL penalty is too weak to hold the policy near the reference; runs like this tend to "
+    "collapse into a degenerate output (a fixed phrase) that the reward model happens to score high",
+    fix="raise ppo.kl_coef by 2x (or set ppo.adaptive_kl with a target KL) and restart from a checkpoint before the rise",
+)
+def _kl_growing(h: History, c: MonitorConfig):
+    # KL always rises from 0 at first and usually levels off; "without bound" is a rise that goes on
+    # after the first window and has carried KL well past the level it had reached by then.
+    values, start = h.window_of(KL, skip_first_window=True), h.start_level(KL)
+    if values is None or start is None:
+        return None
+    now = recent_half_mean(values)
+    if kendall_tau(values) >= c.trend and now > c.kl_zero and now >= c.kl_growth * max(start, 0.0):
+        note = "; ppo.kl_coef is 0, so nothing holds the policy back" if h.latest(KL_COEF) == 0 else ""
+        return now, (
+            f"KL to the reference keeps rising: {now:.2f} nats now, {now / max(start, 1e-12):.1f}x the {start:.2f} "
+            f"it had reached by update {h.window}{note}"
+        )
+    return None
+
+
+@rule(
+    "kl_high",
+    cause="the policy has drifted far from the reference: its responses are ones the reference model "
+    "would rarely write, which is where reward models stop being reliable; the KL penalty is too weak "
+    "(or off) for this learning rate",
+    fix="raise ppo.kl_coef (or set ppo.adaptive_kl with a target KL), or lower optim.lr",
+)
+def _kl_high(h: History, c: MonitorConfig):
+    kl, length = h.window_of(KL), h.window_of(LENGTH)
+    if kl is None or length is None or mean(length) <= 0:
+        return None
+    per_token = mean(kl) / mean(length)
+    if per_token > c.kl_per_token_high:
+        note = "; ppo.kl_coef is 0" if h.latest(KL_COEF) == 0 else ""
+        return per_token, (
+            f"KL to the reference is {per_token:.2f} nats per response token over the last {len(kl)} updates "
+            f"({mean(kl):.1f} nats per response), above {c.kl_per_token_high:g}{note}"
+        )
+    return None
+
+
+@rule(
+    "kl_zero",
+    cause="the reference is the live policy (the same model object, or the LoRA adapter left on for the "
+    "reference pass), so the KL penalty is always zero; or the learning rate is so small nothing moves",
+    fix="make the reference a separately loaded frozen model (check reference.path and the adapter "
+    "switching); if optim.lr is tiny, raise it",
+)
+def _kl_zero(h: History, c: MonitorConfig):
+    values = h.window_of(KL)
+    if values is not None and h.seen > h.window and max(abs(v) for v in values) < c.kl_zero:
+        peak = max(abs(v) for v in values)
+        return peak, f"KL to the reference stayed below {c.kl_zero:g} nats for the last {len(values)} updates"
+    return None
+
+
+@rule(
+    "value_loss_rising",
+    cause="the value head is diverging instead of fitting the returns: its learning rate is too high "
+    "for it, or the value update is not clipped tightly enough",
+    fix="set optim.value_lr about 5x below optim.lr, tighten ppo.cliprange_value, or lower ppo.vf_coef",
+)
+def _value_loss_rising(h: History, c: MonitorConfig):
+    latest = h.latest(VALUE_LOSS)
+    if latest is not None and not math.isfinite(latest):
+        return latest, f"the value loss is {latest}"
+    values, lowest = h.window_of(VALUE_LOSS, skip_first_window=True), h.lowest_mean.get(VALUE_LOSS)
+    if values is None or lowest is None:
+        return None
+    now = recent_half_mean(values)
+    if kendall_tau(values) >= c.trend and now > 0 and now >= c.value_loss_growth * max(lowest, 0.0):
+        return now, (
+            f"value loss keeps rising: {now:.3g} now, {now / max(lowest, 1e-12):.1f}x its lowest "
+            f"{len(values)}-update mean ({lowest:.3g})"
+        )
+    return None
+
+
+@rule(
+    "entropy_collapse",
+    cause="the policy is collapsing to one near-certain output per prompt: exploration stops and the "
+    "per-token gradients grow large",
+    fix="raise ppo.kl_coef, add an entropy bonus (ppo.entropy_coef, e.g. 0.01), or lower optim.lr",
+)
+def _entropy_collapse(h: History, c: MonitorConfig):
+    values, start = h.window_of(ENTROPY), h.first[ENTROPY][:BASELINE_UPDATES]
+    if values is None or len(start) < BASELINE_UPDATES:
+        return None
+    baseline = mean(start)
+    if baseline > 0 and mean(values) < c.entropy_drop * baseline:
+        now = mean(values)
+        return now, (
+            f"policy entropy fell to {now:.3f} nats/token over the last {len(values)} updates, "
+            f"{now / baseline:.0%} of the {baseline:.3f} it started at"
+        )
+    return None
+
+
+@rule(
+    "reward_hacking",
+    cause="the reward rises while the responses grow more alike: the policy has likely found a phrase "
+    "or pattern the reward model over-rates (reward hacking / mode collapse)",
+    fix="read the latest samples.jsonl; raise ppo.kl_coef, and fix the reward (penalise the pattern) if it is exploited",
+)
+def _reward_hacking(h: History, c: MonitorConfig):
+    scores, distinct = h.window_of(SCORES), h.window_of(DISTINCT)
+    if scores is None or distinct is None:
+        return None
+    start, now = mean(h.first[DISTINCT]), recent_half_mean(distinct)  # the start: the run's first window
+    if kendall_tau(scores) >= c.trend and kendall_tau(distinct) <= -c.trend and now <= (1 - c.distinct_drop) * start:
+        return now, (
+            f"the reward keeps rising while distinct-1 of the responses keeps falling: {now:.2f} now, "
+            f"{start:.2f} over the first {len(h.first[DISTINCT])} updates"
+        )
+    return None
+
+
+@rule(
+    "eos_stuck",
+    cause="no response ends within generation.max_new_tokens: the stop token is wrong, the limit is "
+    "too short, or nothing rewards ending (truncated responses also push the reward model out of distribution)",
+    fix="set reward.missing_eos_penalty (seed 003 uses 10), check generation.stop_token against the "
+    "tokenizer's EOS, or raise generation.max_new_tokens",
+)
+def _eos_stuck(h: History, c: MonitorConfig):
+    values = h.window_of(EOS_RATE)
+    if values is not None and max(values) <= c.eos_rate_floor:
+        return max(values), f"EOS rate stayed at {max(values):.0%} for the last {len(values)} updates"
+    return None
+
+
+@rule(
+    "ratio_mismatch",
+    cause="rollout and update compute different log-probs for the same tokens: the sampling temperature "
+    "applied in one and not the other, dropout left on, or different padding/attention masks",
+    fix="divide the logits by generation.temperature in both places, set policy.lora.dropout to 0, and "
+    "check the attention mask of the update forward",
+)
+def _ratio_mismatch(h: History, c: MonitorConfig):
+    values = h.recent(RATIO_FIRST, min(RATIO_UPDATES, h.window))
+    if values is not None and abs(mean(values) - 1.0) > c.ratio_tolerance:
+        return mean(values), (
+            f"the policy ratio before the first optimizer step is {mean(values):.3f} (mean of the last "
+            f"{len(values)} updates), not 1"
+        )
+    return None
+
+
+# --- the monitor -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    """One rule's story over the run, for the summary."""
+
+    rule: Rule
+    message: str
+    value: float
+    first_step: int
+    since: int
+    last_step: int
+    last_printed: int
+    updates: int = 1
+
+
+class HealthMonitor:
+    """Feeds each update's metrics to every rule; returns the warnings to show now."""
+
+    def __init__(self, config: MonitorConfig | None = None, rules: Sequence[Rule] | None = None):
+        self.config = config if config is not None else MonitorConfig()
+        self.rules = list(RULES if rules is None else rules)
+        self.history = History(self.config.window)
+        self.active: list[str] = []  # rule ids firing at the latest update
+        self.records: dict[str, _Record] = {}
+
+    def observe(self, metrics: Mapping[str, object], step: int) -> list[HealthWarning]:
+        if not self.config.enabled:
+            return []
+        self.history.add(metrics)
+        shown, active = [], []
+        for rule_ in self.rules:
+            fired = rule_.check(self.history, self.config)
+            if fired is None:
+                continue
+            value, message = fired
+            record = self.records.get(rule_.id)
+            if record is None:
+                record = self.records[rule_.id] = _Record(rule_, message, value, step, step, step, step, 0)
+                show = True
+            else:
+                # A reminder while it persists; a rule that flickers on and off is not repeated more often.
+                show = step - record.last_printed >= self.config.repeat_every
+                if rule_.id not in self.active:
+                    record.since = step
+            record.message, record.value, record.last_step = message, value, step
+            record.updates += 1
+            active.append(rule_.id)
+            if show:
+                record.last_printed = step
+                shown.append(HealthWarning(rule_.id, message, rule_.cause, rule_.fix, step, value, record.since))
+        self.active = active
+        return shown
+
+    def summary(self) -> list[dict]:
+        """Every rule that fired during the run, in the order they first fired (plain data for summary.json)."""
+        return [
+            {
+                "rule": r.rule.id, "message": r.message, "cause": r.rule.cause, "fix": r.rule.fix, "value": r.value,
+                "first_step": r.first_step, "last_step": r.last_step, "updates": r.updates,
+                "active_at_end": r.rule.id in self.active,
+            }
+            for r in sorted(self.records.values(), key=lambda r: r.first_step)
+        ]
