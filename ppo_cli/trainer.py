@@ -45,7 +45,9 @@ def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
         {"params": ac.policy_parameters(), "lr": optim.lr},
         {"params": ac.value_parameters(), "lr": optim.value_lr or optim.lr},
     ]
-    fused_ok = engine.device.type == "cuda"
+    # The fused kernel exists for CUDA and CPU; on CPU it is ~7x faster than the default for-loop
+    # (docs/benchmarks.md), which dominates a full fine-tune's optimizer step.
+    fused_ok = engine.device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps, fused=fused_ok or None)
 
 

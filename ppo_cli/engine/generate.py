@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.errors import RecipeError
 from ppo_cli.recipe import GenerationConfig
 from ppo_cli.types import Generation
@@ -51,12 +54,30 @@ def sampling_config(gen: GenerationConfig, stop_token_id: int, pad_token_id: int
     )
 
 
+@contextlib.contextmanager
+def no_checkpointing(model):
+    """Gradient checkpointing off for the duration of a generate() call.
+
+    transformers drops the KV cache inside a checkpointed layer in train mode (the policy always is:
+    see models.py), so with checkpointing on, generate() would attend over the newest token only.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+
+
 # no_grad, not inference_mode: inference tensors could not be fed to the update's autograd later.
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int) -> Generation:
     """Sample one response per prompt row. The global torch RNG drives sampling (seed it first)."""
     config = sampling_config(gen, stop_token_id, pad_token_id)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
+    with no_checkpointing(model):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)
     # generate() stops early when every row is done; pad to a fixed T so shapes never vary.
@@ -65,6 +86,31 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
         response_ids = torch.nn.functional.pad(response_ids, (0, missing), value=pad_token_id)
         response_mask = torch.nn.functional.pad(response_mask, (0, missing), value=False)
     return Generation(prompt_ids, prompt_mask, response_ids, response_mask, finished)
+
+
+@torch.no_grad()
+def generate_with_hidden(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int,
+                         pad_token_id: int) -> tuple[Generation, torch.Tensor]:
+    """generate(), plus the decoder's last hidden state (B, T, H) that sampled each response token.
+
+    Row t is the state at position P - 1 + t (the one that predicts response token t), exactly what
+    logprobs.response_slice(backbone_hidden(...)) gives for the finished sequences, but taken from the
+    generation's own KV-cached forward passes, so the rollout needs no second policy forward for the
+    old log-probs (and values, with a value head on the policy). Columns after the last generation step
+    (all rows stopped) are 0 and lie outside every response mask.
+    """
+    steps: list[torch.Tensor] = []
+    decoder = unwrap_causal_lm(model).get_decoder()
+    handle = decoder.register_forward_hook(lambda module, args, out: steps.append(out[0][:, -1]))
+    try:
+        generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id)
+    finally:
+        handle.remove()
+    B, T = generation.response_ids.shape
+    hidden = torch.stack(steps[:T], dim=1)
+    if hidden.shape[1] < T:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, T - hidden.shape[1]))
+    return generation, hidden
 
 
 def trim_padding(generation: Generation) -> Generation:

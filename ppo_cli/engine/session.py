@@ -38,12 +38,12 @@ from ppo_cli.recipe import Recipe
 from ppo_cli.runs import ResolvedModel
 from ppo_cli.types import Generation, Rollout
 
-# Speed levers of the rollout (docs/benchmarks.md measures each); module flags so a benchmark can turn
-# one off. Old log-probs and head values from the generation's forward passes, not a second forward:
-REUSE_GENERATION_FORWARD = True
-# Reference and critic forwards of the rollout under torch.inference_mode (outputs cloned back to
-# normal tensors); the policy's own tensors stay out of it, they meet autograd in the update.
+# Speed lever of the rollout (docs/benchmarks.md measures it); a module flag so a benchmark can turn it
+# off: reference and critic forwards under torch.inference_mode (outputs cloned back to normal
+# tensors); the policy's own tensors stay out of it, they meet autograd in the update.
 INFERENCE_MODE = True
+# CPU: a fixed glibc mmap threshold, so freed activations leave the resident set (release_freed_memory).
+CPU_MALLOC_TUNING = True
 
 
 @dataclass
@@ -118,11 +118,12 @@ class Engine:
     def reuses_generation_forward(self) -> bool:
         """Take the old log-probs (and head values) from the generation's own forward passes?
 
-        Only where that is exact to float32 rounding (the KV-cached and the full forward agree to ~1e-6):
-        a float32, unquantized policy. In bfloat16, or through bitsandbytes' single-row kernels, the two
-        differ enough to move the first PPO ratio off 1, so those keep the separate forward.
+        When ppo.rollout_logprobs is 'generation', and only where that is exact to float32 rounding (the
+        KV-cached and the full forward agree to ~1e-6): a float32, unquantized policy. In bfloat16, or
+        through bitsandbytes' single-row kernels, the two differ enough to move the first PPO ratio off
+        1, so those keep the separate forward.
         """
-        if not REUSE_GENERATION_FORWARD:
+        if self.recipe.ppo.rollout_logprobs != "generation":
             return False
         lm = unwrap_causal_lm(self.actor_critic.policy)
         if any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit")):
@@ -156,6 +157,30 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
 
 
+def release_freed_memory() -> None:
+    """CPU training: let freed activation memory go back to the operating system.
+
+    glibc serves blocks below its mmap threshold from the heap and raises that threshold (up to 32 MB)
+    each time a mapped block is freed, so after the first update every activation tensor comes from the
+    heap, and freed heap memory stays resident: the process's resident set grows to 2-3x the live
+    activations. A fixed 64 KB threshold maps each larger block on its own and unmaps it when it is
+    freed, so the resident set follows the live tensors (docs/benchmarks.md measures both). A no-op
+    off glibc or with CPU_MALLOC_TUNING off.
+    """
+    if not CPU_MALLOC_TUNING:
+        return
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
+    except (OSError, AttributeError):
+        pass
+
+
 def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
     (accelerate's) device when several processes train, else resolved from train.device."""
@@ -163,6 +188,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     device = device or resolve_device(recipe.train.device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
+    if device.type == "cpu":
+        release_freed_memory()
     pol = recipe.policy
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)

@@ -1,0 +1,491 @@
+"""`ppo plan`: how much memory a recipe needs, role by role, before any weights are loaded.
+
+Only the model configs are read; each model is instantiated on the meta device (no memory, no
+compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
+LoRA adapts) and which do not. The rest is arithmetic on the recipe:
+
+    weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
+    LoRA         r x (in + out) per adapted linear layer, float32
+    gradients    one per trainable parameter, in its dtype
+    optimizer    AdamW: two states per trainable parameter, in its dtype
+    activations  what the update's forward keeps for the backward, per micro-batch of
+                 micro_batch_size x (prompt + response) tokens; measured per token and layer for
+                 Llama/Qwen-style decoders with SDPA attention (scripts/bench_vs_trl.py plan-check):
+                 10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
+                 logits of the response positions (three float32 copies: logits, scaled, gradient)
+    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
+    runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB
+
+Peak = weights + LoRA + gradients + optimizer + runtime + max(update activations, rollout working set).
+Importing this module does not import torch; ``plan()`` does (for the meta-device models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ppo_cli.recipe import LoraConfig, Recipe
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+# bitsandbytes: nf4 with double quantization = 4 bits + an 8-bit absmax per 64 values + a float32
+# per 256 absmax blocks; LLM.int8 = 1 byte + a float32 scale per output row (~0 per parameter).
+QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
+ADAMW_STATES = 2
+
+
+# --- what the estimate needs from a model config --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # module path, e.g. model.layers.0.self_attn.q_proj
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One model's parameter layout and sizes (from its config, on the meta device)."""
+
+    path: str
+    total_params: int  # every parameter once (tied embeddings counted once)
+    linears: tuple[Linear, ...]  # the backbone's linear layers: quantizable and LoRA-adaptable
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the backbone's linear layers (biases excluded: bitsandbytes keeps them)."""
+        return sum(l.in_features * l.out_features for l in self.linears)
+
+    def lora_params(self, lora: LoraConfig | None) -> int:
+        if lora is None:
+            return 0
+        targets = None if lora.target_modules == "all-linear" else set(lora.target_modules)
+        return sum(
+            lora.r * (l.in_features + l.out_features)
+            for l in self.linears
+            if targets is None or l.name.rsplit(".", 1)[-1] in targets or l.name in targets
+        )
+
+    def weight_bytes(self, dtype: str, quantization: str = "none", other_dtype_bytes: float | None = None) -> float:
+        """Bytes of the weights: the linear layers quantized (or not), everything else in ``dtype``
+        (or ``other_dtype_bytes``: prepare_model_for_kbit_training upcasts it to float32 under QLoRA)."""
+        full = DTYPE_BYTES[dtype]
+        if quantization == "none":
+            return self.total_params * full
+        rest = self.total_params - self.linear_params
+        return self.linear_params * QUANT_BYTES[quantization] + rest * (other_dtype_bytes or full)
+
+
+def _linear_layers(backbone) -> tuple[Linear, ...]:
+    from torch import nn
+
+    return tuple(
+        Linear(name, m.in_features, m.out_features, m.bias is not None)
+        for name, m in backbone.named_modules()
+        if isinstance(m, nn.Linear)
+    )
+
+
+def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, revision: str | None = None) -> ModelShape:
+    """``kind``: 'causal_lm' (policy, reference), 'backbone' (a separate critic) or 'classifier' (reward)."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ppo_cli.engine.models import check_model_reference
+    from ppo_cli.errors import ModelLoadError
+
+    check_model_reference(path)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the config of '{path}': {str(err).splitlines()[0]}") from err
+    auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    backbone = model.base_model if kind != "backbone" else model
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return ModelShape(
+        path=path,
+        total_params=sum(p.numel() for p in model.parameters()),
+        linears=_linear_layers(backbone),
+        hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+    )
+
+
+# --- the estimate -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The recipe values the estimate depends on (suggestions change these, not the recipe)."""
+
+    device: str  # cpu | cuda
+    dtype: str  # policy dtype, resolved
+    quantization: str  # policy base
+    lora: LoraConfig | None
+    gradient_checkpointing: bool
+    reference: str  # 'adapter' (LoRA disabled) | 'copy'
+    reference_dtype: str
+    reference_quantization: str
+    value_kind: str  # head | adapter | model
+    value_dtype: str
+    value_lora: LoraConfig | None
+    rewards: tuple[tuple[str, str, int], ...]  # (dtype, quantization, batch_size) per model component
+    micro_batch: int
+    mini_batch: int
+    rollout_batch: int
+    prompt_tokens: int
+    response_tokens: int
+
+
+@dataclass
+class Line:
+    role: str
+    part: str
+    gb: float
+    how: str
+    phase: str = "static"  # static | update | rollout | runtime
+
+
+@dataclass
+class Estimate:
+    lines: list[Line]
+    update_gb: float  # the update's transient peak (activations, logits)
+    rollout_gb: float  # the rollout's transient peak (KV cache, no-grad forwards)
+
+    @property
+    def static_gb(self) -> float:
+        return sum(l.gb for l in self.lines if l.phase in ("static", "runtime"))
+
+    @property
+    def total_gb(self) -> float:
+        return self.static_gb + max(self.update_gb, self.rollout_gb)
+
+
+def activation_floats_per_token_layer(shape: ModelShape, trains_weights: bool, lora_r: int, seq_len: int) -> float:
+    """Values the backward needs per token and decoder layer (measured on Qwen2 with SDPA attention,
+    scripts/bench_vs_trl.py plan-check): norms' inputs and outputs, q/k/v/attention outputs, the
+    attention's log-sum-exp, the MLP's gate/up/act/product; a frozen LoRA base skips the norm weights'
+    inputs and adds 7 r-sized LoRA intermediates; the causal mask adds L/2."""
+    H, I = shape.hidden, shape.intermediate
+    base = 10 * H + 4 * I if trains_weights else 8 * H + 4 * I + 7 * lora_r
+    return base + seq_len / 2
+
+
+def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards: list[ModelShape],
+             reference: ModelShape | None = None) -> Estimate:
+    reference = reference or policy
+    lines: list[Line] = []
+    b = DTYPE_BYTES
+    lora = s.lora
+    # --- policy
+    qlora_rest = 4.0 if s.quantization != "none" and lora is not None else None
+    lines.append(Line("policy", "weights", policy.weight_bytes(s.dtype, s.quantization, qlora_rest) / GB,
+                      _weights_how(policy, s.dtype, s.quantization)))
+    if lora is not None:
+        n = policy.lora_params(lora)
+        lines.append(Line("policy", "LoRA adapter", n * 4 / GB, f"{n / 1e6:.2f}M params (r={lora.r}) x 4 B"))
+        trainable_policy, grad_bytes = n, 4.0
+    else:
+        trainable_policy, grad_bytes = policy.total_params, b[s.dtype]
+    lines.append(Line("policy", "gradients", trainable_policy * grad_bytes / GB,
+                      f"{trainable_policy / 1e6:.2f}M trainable x {grad_bytes:g} B"))
+    lines.append(Line("policy", "AdamW states", ADAMW_STATES * trainable_policy * grad_bytes / GB,
+                      f"2 x {trainable_policy / 1e6:.2f}M x {grad_bytes:g} B"))
+    # --- reference
+    if s.reference == "adapter":
+        lines.append(Line("reference", "weights", 0.0, "the policy's base with the LoRA adapter disabled"))
+    else:
+        lines.append(Line("reference", "weights",
+                          reference.weight_bytes(s.reference_dtype, s.reference_quantization) / GB,
+                          "frozen copy: " + _weights_how(reference, s.reference_dtype, s.reference_quantization)))
+    # --- value
+    head = policy.hidden + 1
+    if s.value_kind == "head":
+        trainable_value = head
+        lines.append(Line("value", "head", head * 4 / GB, f"scalar head on the policy's hidden states ({head} params)"))
+    elif s.value_kind == "adapter":
+        n = policy.lora_params(s.value_lora or lora)
+        trainable_value = n + head
+        lines.append(Line("value", "LoRA adapter + head", trainable_value * 4 / GB,
+                          f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B"))
+    else:
+        assert value is not None
+        trainable_value = value.total_params + head
+        lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
+                          "separate model: " + _weights_how(value, s.value_dtype, "none")))
+    value_bytes = 4.0 if s.value_kind != "model" else b[s.value_dtype]
+    lines.append(Line("value", "gradients + AdamW states", (1 + ADAMW_STATES) * trainable_value * value_bytes / GB,
+                      f"3 x {trainable_value / 1e6:.2f}M x {value_bytes:g} B"))
+    # --- reward
+    for shape, (dtype, quantization, _) in zip(rewards, s.rewards):
+        lines.append(Line("reward", f"weights ({Path(shape.path).name})", shape.weight_bytes(dtype, quantization) / GB,
+                          _weights_how(shape, dtype, quantization)))
+
+    # --- update: activations of one micro-batch, forward kept for the backward
+    B, L, T = s.micro_batch, s.prompt_tokens + s.response_tokens, s.response_tokens
+    cb = b[s.dtype]
+    trains_weights = lora is None
+    r = lora.r if lora is not None else 0
+    if s.gradient_checkpointing:  # layer inputs kept; one layer's activations live during its recompute
+        per_token = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, trains_weights, r, L)
+        how = f"checkpointed: {B} x {L} tokens x ({policy.layers} layer inputs + 1 layer) x {cb:g} B"
+    else:
+        per_token = policy.layers * activation_floats_per_token_layer(policy, trains_weights, r, L)
+        how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
+    act = B * L * per_token * cb
+    update = [Line("policy", "activations (update)", act / GB, how, "update")]
+    if s.value_kind in ("adapter", "model"):
+        vshape = policy if s.value_kind == "adapter" else value
+        v_trains = s.value_kind == "model"
+        per = vshape.layers * activation_floats_per_token_layer(vshape, v_trains, r, L)
+        if s.gradient_checkpointing and s.value_kind == "adapter":
+            per = vshape.layers * vshape.hidden + activation_floats_per_token_layer(vshape, v_trains, r, L)
+        vb = cb if s.value_kind == "adapter" else b[s.value_dtype]
+        update.append(Line("value", "activations (update)", B * L * per * vb / GB,
+                           f"the critic's own forward: {B} x {L} tokens x {vshape.layers} layers", "update"))
+    logits = 3 * B * T * policy.vocab * 4
+    update.append(Line("policy", "logits (update)", logits / GB,
+                       f"3 x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
+
+    # --- rollout: KV cache of the generation, one no-grad forward's working set
+    R = s.rollout_batch
+    kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * cb
+    work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * B * T * policy.vocab * 4
+    for shape, (dtype, _, batch) in zip(rewards, s.rewards):
+        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
+    rollout = [
+        Line("rollout", "KV cache", kv / GB,
+             f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {cb:g} B", "rollout"),
+        Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
+    ]
+    runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
+                   "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
+                   "runtime")
+    return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+def _weights_how(shape: ModelShape, dtype: str, quantization: str) -> str:
+    if quantization == "none":
+        return f"{shape.total_params / 1e6:.1f}M params x {DTYPE_BYTES[dtype]:g} B ({dtype})"
+    return (f"{shape.linear_params / 1e6:.1f}M in linear layers x {QUANT_BYTES[quantization]:.2f} B ({quantization}) "
+            f"+ {(shape.total_params - shape.linear_params) / 1e6:.1f}M x {DTYPE_BYTES[dtype]:g} B")
+
+
+# --- suggestions ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Suggestion:
+    change: str  # in words
+    overrides: list[str]  # --set items that make it
+    total_gb: float
+    fits: bool
+
+
+def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]:
+    """Recipe changes, one at a time and all together, with the total each gives."""
+    out: list[tuple[str, list[str], Settings]] = []
+    combined, combined_sets, n_combined = s, [], 0
+
+    def offer(change: str, sets: list[str], alt: Settings, combine: bool = True) -> None:
+        nonlocal combined, combined_sets, n_combined
+        out.append((change, sets, alt))
+        if combine:
+            combined, combined_sets, n_combined = _merge(combined, alt, s), combined_sets + sets, n_combined + 1
+
+    if s.lora is None:
+        offer("train a LoRA adapter (the reference is then the adapter disabled; value head on the policy)",
+              ["policy.lora={r: 16}", "value.kind=head"],
+              dataclasses.replace(s, lora=LoraConfig(), reference="adapter", value_kind="head"))
+    elif s.value_kind != "head":
+        offer("value head on the policy instead of a separate critic", ["value.kind=head"],
+              dataclasses.replace(s, value_kind="head"))
+    if s.lora is not None and s.quantization == "none":
+        offer("4-bit policy base (QLoRA)", ["policy.quantization=4bit"], dataclasses.replace(s, quantization="4bit"))
+    elif s.lora is None:  # only together with the LoRA change above
+        combined = dataclasses.replace(combined, quantization="4bit")
+        combined_sets.append("policy.quantization=4bit")
+    if s.reference == "copy" and s.reference_quantization == "none":
+        # With the LoRA change there is no copy any more: not part of the combination.
+        offer("4-bit reference copy", ["reference.quantization=4bit"],
+              dataclasses.replace(s, reference_quantization="4bit"), combine=s.lora is not None)
+    if any(q == "none" for _, q, _ in s.rewards):
+        sets = [f"reward.components.{i}.quantization=4bit" for i, (_, q, _) in enumerate(s.rewards) if q == "none"]
+        offer("4-bit reward model", sets, dataclasses.replace(s, rewards=tuple((d, "4bit", n) for d, _, n in s.rewards)))
+    if not s.gradient_checkpointing:
+        offer("gradient checkpointing", ["policy.gradient_checkpointing=true"],
+              dataclasses.replace(s, gradient_checkpointing=True))
+    smaller = [m for m in range(s.micro_batch - 1, 0, -1) if s.mini_batch % m == 0]
+    for micro in smaller:
+        offer(f"micro-batch {micro} (same mini-batch, more gradient accumulation)", [f"ppo.micro_batch_size={micro}"],
+              dataclasses.replace(s, micro_batch=micro), combine=micro == smaller[-1])
+    if n_combined > 1:
+        out.append(("all of the above", combined_sets, combined))
+    return [Suggestion(change, sets, _total(alt, shapes), _total(alt, shapes) <= budget_gb) for change, sets, alt in out]
+
+
+def _merge(current: Settings, alt: Settings, base: Settings) -> Settings:
+    changed = {f.name: getattr(alt, f.name) for f in dataclasses.fields(Settings) if getattr(alt, f.name) != getattr(base, f.name)}
+    return dataclasses.replace(current, **changed)
+
+
+def _total(s: Settings, shapes: dict) -> float:
+    return estimate(s, shapes["policy"], shapes.get("value"), shapes["rewards"], shapes.get("reference")).total_gb
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanResult:
+    settings: Settings
+    estimate: Estimate
+    budget_gb: float | None
+    budget_source: str | None
+    suggestions: list[Suggestion] = field(default_factory=list)
+    prompt_note: str = ""
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_gb is None else self.estimate.total_gb <= self.budget_gb
+
+
+def prompt_tokens(recipe: Recipe, limit: int = 2000) -> tuple[int, str]:
+    """The longest prompt in tokens (at most max_prompt_tokens); the tokenizer is light to load."""
+    maximum = recipe.data.max_prompt_tokens
+    try:
+        from ppo_cli.engine.data import format_prompts, read_prompts
+        from ppo_cli.engine.models import load_tokenizer
+
+        prompts = read_prompts(recipe.data.prompts, recipe.data.field).prompts[:limit]
+        tokenizer = load_tokenizer(recipe.policy.path, trust_remote_code=recipe.policy.trust_remote_code,
+                                   revision=recipe.policy.revision)
+        texts = format_prompts(prompts, tokenizer, recipe.data.chat_template)
+        longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"])
+        return min(longest, maximum), f"longest of {len(prompts)} prompts, max_prompt_tokens {maximum}"
+    except Exception:  # noqa: BLE001 - the bound is a safe fallback
+        return maximum, "data.max_prompt_tokens (prompts not read)"
+
+
+def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settings:
+    def dtype(name: str | None, fallback: str) -> str:
+        name = name or fallback
+        if name == "auto":
+            return "bfloat16" if device == "cuda" else "float32"
+        return name
+
+    pol = recipe.policy
+    policy_dtype = dtype(pol.dtype, "float32")
+    rewards = tuple(
+        (dtype(c.dtype, "float32"), c.quantization, c.batch_size)
+        for c in recipe.reward.components if c.type in ("model", "classifier")
+    )
+    return Settings(
+        device=device, dtype=policy_dtype, quantization=pol.quantization, lora=pol.lora,
+        gradient_checkpointing=pol.gradient_checkpointing,
+        reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
+        reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
+        value_kind=recipe.value_kind, value_dtype=dtype(recipe.value.dtype, policy_dtype), value_lora=recipe.value.lora,
+        rewards=rewards, micro_batch=recipe.ppo.micro_batch_size, mini_batch=recipe.ppo.mini_batch_size,
+        rollout_batch=recipe.ppo.rollout_batch_size,
+        prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
+    )
+
+
+def model_shapes(recipe: Recipe) -> dict:
+    pol = recipe.policy
+    common = dict(trust_remote_code=pol.trust_remote_code)
+    shapes = {"policy": describe_model(pol.path, "causal_lm", revision=pol.revision, **common)}
+    if recipe.reference.path is not None:
+        shapes["reference"] = describe_model(recipe.reference.path, "causal_lm", **common)
+    if recipe.value_kind == "model":
+        path = recipe.value.path
+        if path is None:
+            path = pol.path if recipe.value.init_from == "policy" else next(
+                c.path for c in recipe.reward.components if c.type in ("model", "classifier"))
+        shapes["value"] = describe_model(path, "backbone", **common)
+    shapes["rewards"] = [
+        describe_model(c.path, "classifier", trust_remote_code=c.trust_remote_code)
+        for c in recipe.reward.components if c.type in ("model", "classifier")
+    ]
+    return shapes
+
+
+def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None = None) -> PlanResult:
+    """The memory plan of ``recipe``; against ``gpu_memory_gb`` (else the local GPU's memory, if any)."""
+    import torch
+
+    budget, source = gpu_memory_gb, "--gpu-memory" if gpu_memory_gb is not None else None
+    if device is None:
+        wants_cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
+        device = "cuda" if gpu_memory_gb is not None or wants_cuda else "cpu"
+    if budget is None and device == "cuda" and torch.cuda.is_available():
+        budget, source = torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
+    prompt_len, note = prompt_tokens(recipe)
+    settings = settings_from_recipe(recipe, device, prompt_len)
+    shapes = model_shapes(recipe)
+    result = PlanResult(settings, _total_estimate(settings, shapes), budget, source, prompt_note=note)
+    if budget is not None and not result.fits:
+        result.suggestions = suggestions(settings, shapes, budget)
+    return result
+
+
+def _total_estimate(s: Settings, shapes: dict) -> Estimate:
+    return estimate(s, shapes["policy"], shapes.get("value"), shapes["rewards"], shapes.get("reference"))
+
+
+def render(result: PlanResult):
+    """A rich renderable: the table of parts, the total, and what would make it fit."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    s, est = result.settings, result.estimate
+    table = Table(title=f"memory plan ({s.device}, policy {s.dtype}"
+                  f"{', ' + s.quantization if s.quantization != 'none' else ''}"
+                  f"{', LoRA r=' + str(s.lora.r) if s.lora else ', full fine-tuning'}, value {s.value_kind})",
+                  title_justify="left")
+    for column, justify in (("role", "left"), ("part", "left"), ("GB", "right"), ("how", "left")):
+        table.add_column(column, justify=justify)
+    for line in est.lines:
+        table.add_row(line.role, line.part, f"{line.gb:.3f}", line.how)
+    parts = [
+        table,
+        Text(f"micro-batch {s.micro_batch} x ({s.prompt_tokens} prompt tokens [{result.prompt_note}] + "
+             f"{s.response_tokens} response tokens); rollout batch {s.rollout_batch}"),
+        Text(f"peak = static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, rollout {est.rollout_gb:.2f}) "
+             f"= {est.total_gb:.2f} GB", style="bold"),
+    ]
+    if result.budget_gb is not None:
+        verdict = "fits" if result.fits else "does NOT fit"
+        parts.append(Text(f"{verdict} in {result.budget_gb:.1f} GB ({result.budget_source})",
+                          style="green" if result.fits else "bold red"))
+    if result.suggestions:
+        fixes = Table(title="changes that would help", title_justify="left")
+        for column in ("change", "--set", "total GB", "fits"):
+            fixes.add_column(column)
+        for sug in result.suggestions:
+            sets = " ".join(f"--set '{o}'" if any(c in o for c in " {}") else f"--set {o}" for o in sug.overrides)
+            fixes.add_row(sug.change, sets, f"{sug.total_gb:.2f}", "yes" if sug.fits else "no")
+        parts.append(fixes)
+    return Group(*parts)

@@ -1,0 +1,157 @@
+"""`ppo plan`: the estimate's parts against numbers worked out by hand for a small Qwen2 config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ppo_cli.cli import app
+from ppo_cli.commands.plan import (
+    GB,
+    QUANT_BYTES,
+    RUNTIME_GB,
+    Settings,
+    activation_floats_per_token_layer,
+    describe_model,
+    estimate,
+    suggestions,
+)
+from ppo_cli.recipe import LoraConfig
+from tests.conftest import ROOT, tiny_overrides
+
+# vocab 100, hidden 16, intermediate 32, 2 layers, 4 heads of 4, 2 KV heads (k/v width 8), tied embeddings.
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 100, "hidden_size": 16,
+    "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "tie_word_embeddings": True, "max_position_embeddings": 64,
+}
+# By hand: embeddings 100*16 = 1600; per layer q 16*16+16, k 16*8+8, v 16*8+8, o 16*16, gate/up/down 3*16*32,
+# two norms 2*16 -> 272+136+136+256+1536+32 = 2368; final norm 16; lm_head tied (0).
+TOTAL = 1600 + 2 * 2368 + 16
+LINEAR = 2 * (256 + 128 + 128 + 256 + 3 * 512)  # weights of the linear layers, biases excluded
+LORA_ALL_R4 = 2 * 4 * ((16 + 16) + (16 + 8) + (16 + 8) + (16 + 16) + 3 * (16 + 32))  # r * (in + out) per layer
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return tmp_path
+
+
+def settings(**changes) -> Settings:
+    base = dict(
+        device="cpu", dtype="float32", quantization="none", lora=LoraConfig(r=4, alpha=8), gradient_checkpointing=False,
+        reference="adapter", reference_dtype="float32", reference_quantization="none", value_kind="head",
+        value_dtype="float32", value_lora=None, rewards=(("float32", "none", 32),), micro_batch=2, mini_batch=4,
+        rollout_batch=4, prompt_tokens=6, response_tokens=4,
+    )
+    base.update(changes)
+    return Settings(**base)
+
+
+def parts(est) -> dict[tuple[str, str], float]:
+    return {(line.role, line.part): line.gb * GB for line in est.lines}
+
+
+def test_meta_device_parameter_counts_match_hand_counts(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    assert shape.total_params == TOTAL == 6352
+    assert shape.linear_params == LINEAR == 4608
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab) == (
+        16, 32, 2, 4, 2, 4, 100)
+    assert shape.lora_params(LoraConfig(r=4)) == LORA_ALL_R4 == 2048
+    assert shape.lora_params(LoraConfig(r=4, target_modules=["q_proj", "v_proj"])) == 2 * 4 * ((16 + 16) + (16 + 8))
+    assert shape.lora_params(None) == 0
+    classifier = describe_model(str(model_dir), "classifier")  # no LM head, a 1-output score head instead
+    assert classifier.total_params == TOTAL + 16 * classifier_labels(model_dir)
+
+
+def classifier_labels(model_dir) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).num_labels
+
+
+def test_weights_quantized_and_not(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    assert shape.weight_bytes("float32") == TOTAL * 4
+    assert shape.weight_bytes("bfloat16") == TOTAL * 2
+    assert shape.weight_bytes("float32", "4bit") == pytest.approx(LINEAR * QUANT_BYTES["4bit"] + (TOTAL - LINEAR) * 4)
+    assert shape.weight_bytes("bfloat16", "8bit") == LINEAR * 1 + (TOTAL - LINEAR) * 2
+
+
+def test_lora_estimate_parts(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    est = estimate(settings(), shape, None, [reward])
+    p = parts(est)
+    assert p["policy", "weights"] == pytest.approx(TOTAL * 4)
+    assert p["policy", "LoRA adapter"] == pytest.approx(2048 * 4)
+    assert p["policy", "gradients"] == pytest.approx(2048 * 4)
+    assert p["policy", "AdamW states"] == pytest.approx(2 * 2048 * 4)
+    assert p["reference", "weights"] == 0  # the adapter disabled
+    assert p["value", "head"] == pytest.approx(17 * 4)
+    # micro-batch 2 x (6 + 4) tokens x 2 layers x (8H + 4I + 7r + L/2) x 4 B, frozen base
+    per = 8 * 16 + 4 * 32 + 7 * 4 + 10 / 2
+    assert activation_floats_per_token_layer(shape, trains_weights=False, lora_r=4, seq_len=10) == per
+    assert p["policy", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 4)
+    assert p["policy", "logits (update)"] == pytest.approx(3 * 2 * 4 * 100 * 4)  # 3 copies of B x T x V, float32
+    # KV cache: 2 (k, v) x 2 layers x 2 KV heads x head dim 4 x rollout batch 4 x 10 tokens x 4 B
+    assert p["rollout", "KV cache"] == pytest.approx(2 * 2 * 2 * 4 * 4 * 10 * 4)
+    static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
+    assert est.total_gb * GB == pytest.approx(static + max(est.update_gb, est.rollout_gb) * GB)
+
+
+def test_full_finetune_parts(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    value = describe_model(str(model_dir), "backbone")
+    est = estimate(settings(lora=None, reference="copy", value_kind="model", dtype="bfloat16",
+                            reference_dtype="bfloat16", value_dtype="bfloat16", rewards=()), shape, value, [])
+    p = parts(est)
+    assert p["policy", "gradients"] == pytest.approx(TOTAL * 2)
+    assert p["policy", "AdamW states"] == pytest.approx(2 * TOTAL * 2)  # states in the parameters' dtype
+    assert p["reference", "weights"] == pytest.approx(TOTAL * 2)
+    assert value.total_params == TOTAL - 0  # backbone only: the tied LM head adds no parameters
+    assert p["value", "weights"] == pytest.approx(value.total_params * 2)
+    assert p["value", "gradients + AdamW states"] == pytest.approx(3 * (value.total_params + 17) * 2)
+    per = 10 * 16 + 4 * 32 + 10 / 2  # the weights train: norms' inputs kept too
+    assert p["policy", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 2)
+    assert p["value", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 2)
+
+
+def test_gradient_checkpointing_keeps_layer_inputs_only(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    est = estimate(settings(gradient_checkpointing=True), shape, None, [])
+    per = 2 * 16 + (8 * 16 + 4 * 32 + 7 * 4 + 5)  # 2 layer inputs + one layer being recomputed
+    assert parts(est)["policy", "activations (update)"] == pytest.approx(2 * 10 * per * 4)
+
+
+def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    s = settings(lora=None, reference="copy", value_kind="model", micro_batch=4)
+    shapes = {"policy": shape, "value": describe_model(str(model_dir), "backbone"), "rewards": [shape]}
+    total = estimate(s, shape, shapes["value"], [shape]).total_gb
+    budget = RUNTIME_GB["cpu"] + 0.5 * (total - RUNTIME_GB["cpu"])  # half of what the models need
+    fixes = suggestions(s, shapes, budget_gb=budget)
+    by_change = {f.change.split(" (")[0]: f for f in fixes}
+    assert by_change["train a LoRA adapter"].overrides == ["policy.lora={r: 16}", "value.kind=head"]
+    assert by_change["train a LoRA adapter"].total_gb < total
+    assert [f.overrides for f in fixes if f.change.startswith("micro-batch")] == [
+        ["ppo.micro_batch_size=2"], ["ppo.micro_batch_size=1"]]  # divisors of the mini-batch (4) only
+    combined = fixes[-1]
+    assert combined.change == "all of the above" and combined.fits
+    assert "reference.quantization=4bit" not in combined.overrides  # no copy left once LoRA is on
+    assert all(f.total_gb < total for f in fixes)
+
+
+@pytest.mark.slow
+def test_plan_command_on_the_tiny_recipe(tiny_models, tmp_path):
+    args = ["plan", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--gpu-memory", "0.1"]
+    for item in tiny_overrides(tiny_models, tmp_path, **{"policy.lora": "null", "value.kind": "auto"}):
+        args += ["--set", item]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "does NOT fit" in result.output and "policy.lora" in result.output
+    assert not any(tmp_path.iterdir())  # nothing loaded, nothing written
