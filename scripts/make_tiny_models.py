@@ -6,8 +6,8 @@ Nothing can be downloaded on our machines, yet the CLI loads models with
 ``from_pretrained`` exactly as it would load a hub checkpoint. This script makes such
 checkpoints in well under a minute on 2 CPU cores:
 
-    OUT/policy/      Qwen2ForCausalLM warmed up on the corpus, plus tokenizer files
-    OUT/reward/      Qwen2ForSequenceClassification (negative / neutral / positive), plus tokenizer files
+    OUT/policy/      Qwen2ForCausalLM warmed up on the corpus + tokenizer
+    OUT/reward/      Qwen2ForSequenceClassification (negative/neutral/positive) + tokenizer
     OUT/corpus.txt   the synthetic corpus, one review per line (for reference)
     OUT/build_info.json  seed, sizes, measured EOS rate, classifier accuracy, seconds
 
@@ -37,7 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers,
+)
 from transformers import (  # noqa: E402
     AutoTokenizer,
     PreTrainedTokenizerFast,
@@ -121,7 +123,8 @@ CORES = {
     "neutral": [
         "okay", "fine", "average", "just okay", "not bad but not great", "decent", "alright",
         "a bit mixed", "about what I expected", "pretty average", "neither good nor bad",
-        "nothing to write home about", "somewhere in the middle", "so-so", "reasonable", "mostly fine",
+        "nothing to write home about", "somewhere in the middle", "so-so", "reasonable",
+        "mostly fine",
     ],
     "negative": [
         "terrible", "awful", "boring", "really bad", "disappointing", "slow and boring",
@@ -292,6 +295,7 @@ def make_review(rng: random.Random) -> tuple[str, str, list[str], int]:
     sentences = [opener + first] + follow
     continuation = first + "".join(" " + s for s in follow)
     return opener, continuation, sentences, LABELS.index(sentiment)
+
 
 def make_corpus(seed: int, n: int) -> list[tuple[str, str, list[str], int]]:
     rng = random.Random(seed)
