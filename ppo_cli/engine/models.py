@@ -111,6 +111,19 @@ def load_pretrained(
     return model
 
 
+def freeze(model: nn.Module) -> nn.Module:
+    """A frozen model for inference: no gradients, and eval mode unless it is quantized.
+
+    bitsandbytes repacks a 4-bit layer's weights for its CPU kernel on the first no-grad forward in
+    eval mode; that repack breaks training (platform notes) and fails outright on layers narrower
+    than its block size. Dropout is already off everywhere (disable_dropout), so train mode computes
+    the same thing without the repack.
+    """
+    model.requires_grad_(False)
+    quantized = any(getattr(model, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
+    return model.train() if quantized else model.eval()
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     from transformers import AutoTokenizer
 
@@ -237,7 +250,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
             AutoModelForCausalLM, ref.path or pol.path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
             quantization=ref.quantization, **common,
         )
-        ref_model.requires_grad_(False).eval()
+        freeze(ref_model)
 
     kind = recipe.value_kind
     value_backbone, init_from = None, None

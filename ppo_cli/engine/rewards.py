@@ -79,7 +79,7 @@ class ModelScorer:
     def __init__(self, component: ModelReward | ClassifierReward, device: torch.device):
         from transformers import AutoModelForSequenceClassification
 
-        from ppo_cli.engine.models import load_pretrained, load_tokenizer, resolve_dtype
+        from ppo_cli.engine.models import freeze, load_pretrained, load_tokenizer, resolve_dtype
 
         self.component = component
         self.device = device
@@ -89,7 +89,7 @@ class ModelScorer:
             AutoModelForSequenceClassification, component.path, dtype=resolve_dtype(component.dtype, device),
             device=device, quantization=component.quantization, trust_remote_code=component.trust_remote_code,
         )
-        self.model.requires_grad_(False).eval()
+        freeze(self.model)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if isinstance(component, ClassifierReward):

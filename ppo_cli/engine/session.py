@@ -26,6 +26,7 @@ from ppo_cli.engine.models import (
     ActorCritic,
     build_actor_critic,
     disable_dropout,
+    freeze,
     load_pretrained,
     load_tokenizer,
     resolve_device,
@@ -125,10 +126,9 @@ class Engine:
         """
         if self.recipe.ppo.rollout_logprobs != "generation":
             return False
-        lm = unwrap_causal_lm(self.actor_critic.policy)
-        if any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit")):
+        if is_quantized(self.actor_critic.policy):
             return False
-        head = lm.get_output_embeddings()
+        head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
         return head is not None and head.weight.dtype == torch.float32
 
     def collect_rollout(self, prompts: list[str]) -> Rollout:
@@ -195,7 +195,37 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     reward = RewardStack(recipe.reward, device)
     actor_critic = build_actor_critic(recipe, device)
+    if device.type == "cpu":
+        models = [actor_critic.policy, actor_critic.ref_model] + [getattr(s, "model", None) for _, _, s in reward.scorers]
+        for model in models:
+            if model is not None and is_quantized(model):
+                own_unquantized_tensors(model)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id)
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    lm = unwrap_causal_lm(model)
+    return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
+
+
+def own_unquantized_tensors(model: torch.nn.Module) -> None:
+    """CPU: copy a quantized model's unquantized tensors (embeddings, norms, biases) off the checkpoint.
+
+    from_pretrained leaves them as views of the memory-mapped safetensors file, which keeps the whole
+    file mapped: every full-precision page that quantization read stays in the resident set, and a 4-bit
+    model costs as much resident memory as the unquantized one. Once nothing points into the file, it
+    is unmapped.
+    """
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype.is_floating_point:
+                param.data = param.data.clone()
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.dtype.is_floating_point:
+                module._buffers[name] = buffer.clone()
+    import gc
+
+    gc.collect()
 
 
 # --- inference: `ppo rollout / eval / compare` load a policy and its reference, no critic ---------
@@ -258,7 +288,7 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
                              quantization=pol.quantization, revision=revision, **common)
     if model.adapter_dir is not None:
         policy = _load_adapter(policy, model.adapter_dir)
-    policy.eval()
+    freeze(policy)
 
     reference_path = recipe.reference.path or pol.path
     ref_model, reference_is_policy = None, False
@@ -272,7 +302,7 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
             AutoModelForCausalLM, reference_path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
             quantization=ref.quantization, revision=pol.revision if reference_path == pol.path else None, **common,
         )
-        ref_model.requires_grad_(False).eval()
+        freeze(ref_model)
     actor = InferencePolicy(policy, ref_model, reference_is_policy)
     return Engine(recipe, device, tokenizer, actor, reward, stop_token_id)
 

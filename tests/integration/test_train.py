@@ -109,7 +109,7 @@ def _structure_overrides(recipe_path: Path, models: Path) -> dict:
         "reward.components": json.dumps(components),
         "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "data.eval_prompts": "null",
-        "train.total_updates": 2, "train.save_every": 1,
+        "train.total_updates": 2, "train.save_every": 1, "train.log_every": 1,
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
         "generation.max_new_tokens": 8, "optim.warmup_steps": 0,
     }
