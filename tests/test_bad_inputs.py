@@ -139,7 +139,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
     ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
     ("resume-missing-path", lambda e: ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")], "checkpoint not found"),
-    ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.05 -> 0.5"),
+    ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.1 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
 ]
