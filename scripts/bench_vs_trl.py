@@ -1,0 +1,539 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark: `ppo train` against TRL 1.12.0's PPOTrainer on the same models, prompts and config.
+
+    python scripts/bench_vs_trl.py setup      # TRL 1.12.0 in its own venv (.cache/trl-venv), versions matched to ours
+    python scripts/bench_vs_trl.py models     # bench models under .cache/bench/ (tiny + the 0.5B shape), prompts
+    python scripts/bench_vs_trl.py compare --shape 0.5b --updates 5 --rounds 2
+    python scripts/bench_vs_trl.py compare --shape tiny --updates 40 --rounds 3    # also the reward curves
+    python scripts/bench_vs_trl.py scaling --shape 0.5b                            # ours at 3 batch sizes, 3 lengths
+    python scripts/bench_vs_trl.py memory --shape 0.5b                             # ours, peak memory per configuration
+    python scripts/bench_vs_trl.py report     # markdown tables from .cache/bench/results/*.jsonl
+
+Shapes: ``tiny`` is the test suite's tiny review LM (scripts/make_tiny_models.py) with a scalar reward
+model derived from its sentiment classifier (score = logit(positive) - logit(negative)); ``0.5b`` has
+random weights (seeded) with Qwen2.5-0.5B's layer sizes (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, tied embeddings) on the tiny tokenizer's vocabulary, and a 1-label reward model of
+the same shape. TRL takes the reward model as its reward and, as in TRL's examples, as the value
+model's initialisation; ppo_cli takes the same model as a `type: model` reward component.
+
+Runs alternate between the two implementations (the order flips every round) so that machine noise
+hits both. Every run is a separate process; its peak memory is the process's peak resident set size
+(CPU) and includes model loading. Seconds per update are medians after dropping warm-up updates.
+
+Never imported by ppo_cli or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "bench"
+RESULTS = CACHE / "results"
+TRL_VENV = ROOT / ".cache" / "trl-venv"
+TRL_VERSION = "1.12.0"
+TORCH_VERSION = "2.13.0"  # any other version pulls a multi-GB CUDA build
+
+QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                max_position_embeddings=512)
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return e
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def wait_for_quiet(limit: float, max_wait: float = 1800) -> float:
+    """Poll the 1-minute load every 30 s until it is below ``limit`` (or max_wait passes)."""
+    waited = 0.0
+    while load_average() >= limit and waited < max_wait:
+        print(f"  load {load_average():.2f} >= {limit}: waiting 30 s", flush=True)
+        time.sleep(30)
+        waited += 30
+    return load_average()
+
+
+# --- setup: TRL in its own venv ------------------------------------------------------------------
+
+
+def cmd_setup(args) -> None:
+    py = TRL_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)  # first, so nothing pulls a CUDA build
+    pins = [f"{name}=={md.version(name)}" for name in ("transformers", "peft", "accelerate")]
+    subprocess.run(pip + [f"trl=={TRL_VERSION}", *pins], check=True)
+    out = subprocess.run([str(py), "-c", "import torch, transformers, peft, trl; print(torch.__version__, "
+                          "transformers.__version__, peft.__version__, trl.__version__)"],
+                         check=True, capture_output=True, text=True, env=env())
+    print("trl-venv:", out.stdout.strip())
+
+
+# --- models and prompts --------------------------------------------------------------------------
+
+
+def tiny_source(args) -> Path:
+    if getattr(args, "tiny_models", None):
+        return Path(args.tiny_models)
+    if os.environ.get("PPO_TINY_MODELS"):
+        return Path(os.environ["PPO_TINY_MODELS"])
+    import hashlib
+
+    script = ROOT / "scripts" / "make_tiny_models.py"
+    out = ROOT / ".cache" / f"tiny-models-{hashlib.sha256(script.read_bytes()).hexdigest()[:12]}"
+    if not (out / "policy" / "config.json").exists():
+        subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, env=env())
+    return out
+
+
+def _tiny_script():
+    spec = importlib.util.spec_from_file_location("make_tiny_models", ROOT / "scripts" / "make_tiny_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_prompts(path: Path, n: int = 256, seed: int = 1234) -> None:
+    tiny = _tiny_script()
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        category = rng.choice(sorted(tiny.SUBJECTS))
+        prompts.append(tiny.make_opener(rng, rng.choice(tiny.SUBJECTS[category]), category))
+    path.write_text("\n".join(prompts) + "\n")
+
+
+def shape_paths(shape: str) -> dict[str, Path]:
+    base = CACHE / shape
+    return {"policy": base / "policy", "reward": base / "reward", "prompts": CACHE / "prompts.txt"}
+
+
+def cmd_models(args) -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForSequenceClassification
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    src = tiny_source(args)
+    if not (CACHE / "prompts.txt").exists():
+        write_prompts(CACHE / "prompts.txt")
+    tokenizer = AutoTokenizer.from_pretrained(src / "policy")
+
+    tiny = shape_paths("tiny")
+    if not (tiny["reward"] / "config.json").exists():
+        # The tiny policy as built; a scalar reward model from the 3-label sentiment classifier.
+        tiny["policy"].parent.mkdir(parents=True, exist_ok=True)
+        if not tiny["policy"].exists():
+            shutil.copytree(src / "policy", tiny["policy"])
+        cls = AutoModelForSequenceClassification.from_pretrained(src / "reward", dtype=torch.float32)
+        label = {v.lower(): int(k) for k, v in cls.config.id2label.items()}
+        config = cls.config
+        config.num_labels = 1
+        config.id2label, config.label2id = {0: "LABEL_0"}, {"LABEL_0": 0}
+        config.problem_type = "regression"
+        scalar = Qwen2ForSequenceClassification(config)
+        state = cls.state_dict()
+        weight = state.pop("score.weight")
+        state["score.weight"] = (weight[label["positive"]] - weight[label["negative"]]).unsqueeze(0)
+        scalar.load_state_dict(state)
+        scalar.save_pretrained(tiny["reward"])
+        tokenizer.save_pretrained(tiny["reward"])
+        print("wrote", tiny["reward"])
+
+    big = shape_paths("0.5b")
+    if not (big["reward"] / "config.json").exists():
+        config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **QWEN_05B)
+        torch.manual_seed(args.seed)
+        lm = Qwen2ForCausalLM(config)
+        lm.save_pretrained(big["policy"])
+        tokenizer.save_pretrained(big["policy"])
+        del lm
+        torch.manual_seed(args.seed + 1)
+        config.num_labels = 1
+        rm = Qwen2ForSequenceClassification(config)
+        rm.save_pretrained(big["reward"])
+        tokenizer.save_pretrained(big["reward"])
+        print("wrote", big["policy"], big["reward"],
+              f"({sum(p.numel() for p in rm.parameters()) / 1e6:.1f}M parameters each)")
+
+
+# --- one run of each implementation --------------------------------------------------------------
+
+
+def bench_config(args, **override) -> dict:
+    """The shared settings of one comparison (both implementations get exactly these)."""
+    cfg = dict(
+        shape=args.shape, lora=True, updates=args.updates, batch=8, mini_batches=1, micro_batch=8, epochs=4,
+        response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0, threads=2,
+        value_kind="head", rollout_logprobs="generation",
+    )
+    cfg.update(override)
+    if cfg["lr"] is None:
+        cfg["lr"] = 3e-3 if cfg["lora"] else 1e-4
+    if cfg["missing_eos_penalty"] is None and cfg["shape"] == "tiny":
+        cfg["missing_eos_penalty"] = 10.0  # the tiny task's penalty (recipes/tiny_sentiment.yaml)
+    return cfg
+
+
+def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
+    paths = shape_paths(cfg["shape"])
+    recipe = {
+        "name": name,
+        "seed": cfg["seed"],
+        "output_dir": str(CACHE / "runs"),
+        "policy": {"path": str(paths["policy"]), "dtype": "float32",
+                   "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"} if cfg["lora"] else None},
+        # "model-reward": a separate critic initialised from the reward model, as TRL's value model
+        "value": ({"kind": "model", "init_from": "reward"} if cfg["value_kind"] == "model-reward"
+                  else {"kind": cfg["value_kind"]}),
+        "reward": {"components": [{"type": "model", "path": str(paths["reward"]), "batch_size": 64}],
+                   "missing_eos_penalty": cfg["missing_eos_penalty"]},
+        "data": {"prompts": str(paths["prompts"]), "max_prompt_tokens": 32},
+        "generation": {"max_new_tokens": cfg["response_length"], "temperature": cfg["temperature"]},
+        "ppo": {"rollout_batch_size": cfg["batch"], "mini_batch_size": cfg["batch"] // cfg["mini_batches"],
+                "micro_batch_size": cfg["micro_batch"], "ppo_epochs": cfg["epochs"], "kl_coef": cfg["kl_coef"],
+                "kl_estimator": "k1", "cliprange": 0.2, "cliprange_value": 0.2, "vf_coef": 0.1, "gamma": 1.0,
+                "gae_lambda": 0.95, "whiten_advantages": True, "whiten_rewards": False,
+                "rollout_logprobs": cfg["rollout_logprobs"]},
+        "optim": {"lr": cfg["lr"], "max_grad_norm": None, "scheduler": "constant"},  # TRL never clips
+        "train": {"total_updates": cfg["updates"], "sample_every": 0, "device": "cpu", "num_threads": cfg["threads"]},
+    }
+    for key, value in (extra or {}).items():  # dotted keys, e.g. {"reference.quantization": "4bit"}
+        if key == "_reward_component":
+            recipe["reward"]["components"][0].update(value)
+            continue
+        node = recipe
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return recipe
+
+
+def run_ours(cfg: dict, tag: str, extra: dict | None = None) -> dict:
+    import yaml
+
+    name = f"bench-{tag}"
+    recipe_path = CACHE / "recipes" / f"{name}.yaml"
+    recipe_path.parent.mkdir(parents=True, exist_ok=True)
+    recipe_path.write_text(yaml.safe_dump(ours_recipe(cfg, name, extra), sort_keys=False))
+    ppo = ROOT / ".venv" / "bin" / "ppo"
+    command = [str(ppo) if ppo.exists() else "ppo", "train", str(recipe_path), "--overwrite"]
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=env(), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ppo train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_dir = CACHE / "runs" / name
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "impl": "ours",
+        "command": " ".join(command[1:]),
+        "seconds_per_update": [m["time/step_s"] for m in metrics],
+        "rollout_seconds": [m["time/rollout_s"] for m in metrics],
+        "scores": [m["objective/scores"] for m in metrics],
+        "kl": [m["objective/kl"] for m in metrics],
+        "generated_tokens": [m["response_length"] * cfg["batch"] for m in metrics],
+        "peak_memory_gb": summary["peak_memory_gb"],
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def run_trl(cfg: dict, tag: str) -> dict:
+    paths = shape_paths(cfg["shape"])
+    out = CACHE / "trl-out" / f"{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        str(TRL_VENV / "bin" / "python"), str(ROOT / "scripts" / "bench_trl_driver.py"),
+        "--policy", str(paths["policy"]), "--reward", str(paths["reward"]), "--prompts", str(paths["prompts"]),
+        "--updates", str(cfg["updates"]), "--batch", str(cfg["batch"]), "--mini-batches", str(cfg["mini_batches"]),
+        "--micro-batch", str(cfg["micro_batch"]), "--epochs", str(cfg["epochs"]),
+        "--response-length", str(cfg["response_length"]), "--temperature", str(cfg["temperature"]),
+        "--kl-coef", str(cfg["kl_coef"]), "--lr", str(cfg["lr"]), "--seed", str(cfg["seed"]),
+        "--threads", str(cfg["threads"]), "--out", str(out),
+    ]
+    if cfg["lora"]:
+        command.append("--lora")
+    if cfg["missing_eos_penalty"] is not None:
+        command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=env(), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["command"] = " ".join(Path(c).name if i == 0 else c for i, c in enumerate(command))
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def record(result: dict, cfg: dict, kind: str, path: Path) -> None:
+    result.update(cfg=cfg, kind=kind, load_at_start=result.get("load_at_start"), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def _brief(result: dict, warmup: int) -> str:
+    s = result["seconds_per_update"][warmup:] or result["seconds_per_update"]
+    return (f"{result['impl']:>5}: {statistics.median(s):7.2f} s/update, peak {result['peak_memory_gb']:.2f} GB, "
+            f"mean score {statistics.fmean(result['scores']):+.3f}")
+
+
+def cmd_compare(args) -> None:
+    out = RESULTS / f"compare-{args.shape}{args.tag}.jsonl"
+    modes = [m.strip() for m in args.modes.split(",")]
+    for round_ in range(args.rounds):
+        for mode in modes:
+            cfg = bench_config(args, lora=(mode == "lora"), value_kind=args.value_kind, seed=args.seed + round_)
+            order = ["trl", "ours"] if round_ % 2 == 0 else ["ours", "trl"]
+            for impl in [i for i in order if i in args.impls.split(",")]:
+                load = wait_for_quiet(args.max_load) if args.max_load else load_average()
+                tag = f"{args.shape}{args.tag}-{mode}-{impl}-{args.value_kind}-r{round_}"
+                print(f"[round {round_}] {tag} (load {load:.2f})", flush=True)
+                result = run_ours(cfg, tag) if impl == "ours" else run_trl(cfg, tag)
+                result["load_at_start"] = load
+                record(result, cfg, "compare", out)
+                print("   ", _brief(result, args.warmup), flush=True)
+
+
+def cmd_scaling(args) -> None:
+    out = RESULTS / f"scaling-{args.shape}.jsonl"
+    points = [("batch", b, 24) for b in (4, 8, 16)] + [("length", 8, n) for n in (12, 24, 48)]
+    for axis, batch, length in points:
+        cfg = bench_config(args, batch=batch, micro_batch=batch, response_length=length, value_kind=args.value_kind)
+        load = wait_for_quiet(args.max_load) if args.max_load else load_average()
+        tag = f"{args.shape}-scale-b{batch}-n{length}"
+        print(f"{tag} (load {load:.2f})", flush=True)
+        result = run_ours(cfg, tag)
+        result.update(load_at_start=load, axis=axis)
+        record(result, cfg, "scaling", out)
+        print("   ", _brief(result, args.warmup), flush=True)
+
+
+MEMORY_CONFIGS = {
+    # name: (lora, value kind, recipe extras)
+    "full, separate critic + reference copy": (False, "model", {}),
+    "full, value head on the policy": (False, "head", {}),
+    "full, value head, 4-bit reference + reward": (False, "head", {"reference.quantization": "4bit",
+                                                                   "reward.components.0.quantization": "4bit"}),
+    "LoRA, critic = 2nd adapter": (True, "adapter", {}),
+    "LoRA, value head on the policy": (True, "head", {}),
+    "QLoRA (4-bit base), value head, 4-bit reward": (True, "head", {"policy.quantization": "4bit",
+                                                                  "reward.components.0.quantization": "4bit"}),
+}
+
+
+def cmd_memory(args) -> None:
+    out = RESULTS / f"memory-{args.shape}.jsonl"
+    names = list(MEMORY_CONFIGS) if not args.only else [n for n in MEMORY_CONFIGS if args.only in n]
+    for i, name in enumerate(names):
+        lora, kind, extra = MEMORY_CONFIGS[name]
+        cfg = bench_config(args, lora=lora, value_kind=kind)
+        load = wait_for_quiet(args.max_load) if args.max_load else load_average()
+        print(f"{name} (load {load:.2f})", flush=True)
+        result = run_ours(cfg, f"{args.shape}-mem{i}", _reward_extra(extra))
+        result.update(load_at_start=load, config_name=name, extra=extra)
+        record(result, cfg, "memory", out)
+        print("   ", _brief(result, args.warmup), flush=True)
+
+
+def _reward_extra(extra: dict) -> dict:
+    """'reward.components.0.x' cannot be set through the dict walk (a list): rewrite it here."""
+    fixed = {}
+    for key, value in extra.items():
+        if key.startswith("reward.components.0."):
+            fixed.setdefault("_reward_component", {})[key.rsplit(".", 1)[1]] = value
+        else:
+            fixed[key] = value
+    return fixed
+
+
+def cmd_plan_check(args) -> None:
+    """`ppo plan`'s estimate for every measured ppo_cli run, against its measured peak."""
+    from ppo_cli.commands.plan import run as plan
+    from ppo_cli.recipe import load_recipe
+
+    rows = []
+    for path in sorted(RESULTS.glob("*.jsonl")):
+        for r in _load(path):
+            if r["impl"] != "ours":
+                continue
+            recipe_path = Path(r["command"].split()[1])
+            if not recipe_path.exists():
+                continue
+            est = plan(load_recipe(recipe_path), device="cpu").estimate
+            label = r.get("config_name") or f"{'LoRA' if r['cfg']['lora'] else 'full'}, value {r['cfg']['value_kind']}"
+            rows.append((r["cfg"]["shape"], label, r["cfg"]["batch"], r["cfg"]["response_length"], est.total_gb,
+                         r["peak_memory_gb"], recipe_path))
+    print("| shape | configuration | batch | response tokens | plan GB | measured peak GB | error |")
+    print("|---|---|---|---|---|---|---|")
+    seen = set()
+    for shape, label, batch, length, est, peak, recipe_path in rows:
+        key = (shape, label, batch, length)
+        if key in seen:
+            continue
+        seen.add(key)
+        print(f"| {shape} | {label} | {batch} | {length} | {est:.2f} | {peak:.2f} | {100 * (est - peak) / peak:+.0f}% |")
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def summarise(results: list[dict], warmup: int) -> dict:
+    seconds = [s for r in results for s in (r["seconds_per_update"][warmup:] or r["seconds_per_update"])]
+    tokens = [t for r in results for t in (r["generated_tokens"][warmup:] or r["generated_tokens"])]
+    batch = results[0]["cfg"]["batch"]
+    med = statistics.median(seconds)
+    return {
+        "s_per_update": med,
+        "episodes_per_s": batch / med,
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "peak_gb": statistics.median(r["peak_memory_gb"] for r in results),
+        "mean_score": statistics.fmean(s for r in results for s in r["scores"]),
+        "last_score": statistics.fmean(s for r in results for s in r["scores"][-max(1, len(r["scores"]) // 4):]),
+        "runs": len(results),
+        "updates_measured": len(seconds),
+        "load": [r.get("load_at_start") for r in results],
+    }
+
+
+def cmd_report(args) -> None:
+    print(f"machine: {machine()}\n")
+    for shape in ("tiny", "0.5b"):
+        results = [r for r in _load(RESULTS / f"compare-{shape}.jsonl")]
+        if not results:
+            continue
+        warmup = 1 if shape == "0.5b" else 3
+        print(f"### {shape}: side by side (median after {warmup} warm-up update(s) per run)\n")
+        print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates |")
+        print("|---|---|---|---|---|---|---|---|")
+        ratios = []
+        for mode in ("lora", "full"):
+            rows = {}
+            for impl in ("trl", "ours"):
+                sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
+                       and (impl == "trl" or r["cfg"]["value_kind"] == args.value_kind)]
+                if not sel:
+                    continue
+                s = rows[impl] = summarise(sel, warmup)
+                print(f"| {mode} | {impl} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
+                      f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} |")
+            if len(rows) == 2:
+                ratios.append((mode, rows["ours"]["s_per_update"] / rows["trl"]["s_per_update"],
+                               rows["ours"]["peak_gb"] / rows["trl"]["peak_gb"]))
+        for mode, t, m in ratios:
+            print(f"\n{shape} {mode}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
+        print()
+    curves = _load(RESULTS / "compare-tiny-curve.jsonl")
+    if curves:
+        print("### tiny: reward curves (objective/scores per update, mean over seeds)\n")
+        blocks = None
+        table = {}
+        kinds = sorted({r["cfg"]["value_kind"] for r in curves if r["impl"] == "ours"})
+        for mode in ("lora", "full"):
+            for impl, kind in [("trl", None)] + [("ours", k) for k in kinds]:
+                sel = [r for r in curves if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
+                       and (kind is None or r["cfg"]["value_kind"] == kind)]
+                if not sel:
+                    continue
+                impl_label = "TRL (value model = reward model copy)" if kind is None else f"ours, value {kind}"
+                n = min(len(r["scores"]) for r in sel)
+                mean = [statistics.fmean(r["scores"][i] for r in sel) for i in range(n)]
+                size = max(1, n // 8)
+                blocks = [(i, min(n, i + size)) for i in range(0, n, size)]
+                table[mode, impl_label] = (mean, len(sel), sel[0]["cfg"])
+        if blocks:
+            print("| mode | impl | seeds | " + " | ".join(f"updates {a + 1}-{b}" for a, b in blocks) + " | last 10 |")
+            print("|---|---|---|" + "---|" * (len(blocks) + 1))
+            for (mode, impl), (mean, seeds, cfg) in table.items():
+                cells = [f"{statistics.fmean(mean[a:b]):+.2f}" for a, b in blocks]
+                print(f"| {mode} (lr {cfg['lr']:g}) | {impl} | {seeds} | " + " | ".join(cells)
+                      + f" | {statistics.fmean(mean[-10:]):+.2f} |")
+            print()
+    for shape in ("tiny", "0.5b"):
+        results = _load(RESULTS / f"scaling-{shape}.jsonl")
+        if results:
+            print(f"### {shape}: scaling (ours)\n\n| rollout batch | response tokens | s/update | s per generated token |")
+            print("|---|---|---|---|")
+            for r in results:
+                s = summarise([r], 1)
+                print(f"| {r['cfg']['batch']} | {r['cfg']['response_length']} | {s['s_per_update']:.2f} | "
+                      f"{s['s_per_update'] / (r['cfg']['batch'] * r['cfg']['response_length']):.4f} |")
+            print()
+        results = _load(RESULTS / f"memory-{shape}.jsonl")
+        if results:
+            print(f"### {shape}: peak memory per configuration (ours, CPU)\n\n| configuration | peak GB |")
+            print("|---|---|")
+            for r in results:
+                print(f"| {r['config_name']} | {r['peak_memory_gb']:.2f} |")
+            print()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("setup")
+    p = sub.add_parser("models")
+    p.add_argument("--tiny-models", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    for name in ("compare", "scaling", "memory"):
+        p = sub.add_parser(name)
+        p.add_argument("--shape", choices=("tiny", "0.5b"), default="0.5b")
+        p.add_argument("--updates", type=int, default=5)
+        p.add_argument("--rounds", type=int, default=2)
+        p.add_argument("--modes", default="lora,full")
+        p.add_argument("--value-kind", default="head", choices=("head", "adapter", "model", "model-reward", "auto"))
+        p.add_argument("--impls", default="trl,ours")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--max-load", type=float, default=1.2, help="wait until the 1-minute load is below this (0: never)")
+        p.add_argument("--only", default=None)
+        p.add_argument("--tag", default="", help="suffix of the results file, e.g. -curve")
+    sub.add_parser("plan-check")
+    p = sub.add_parser("report")
+    p.add_argument("--value-kind", default="head")
+    args = ap.parse_args(argv)
+    {"setup": cmd_setup, "models": cmd_models, "compare": cmd_compare, "scaling": cmd_scaling,
+     "memory": cmd_memory, "report": cmd_report, "plan-check": cmd_plan_check}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
