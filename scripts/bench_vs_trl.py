@@ -437,29 +437,37 @@ def summarise(results: list[dict], warmup: int) -> dict:
 def cmd_report(args) -> None:
     print(f"machine: {machine()}\n")
     for shape in ("tiny", "0.5b"):
-        results = [r for r in _load(RESULTS / f"compare-{shape}.jsonl")]
+        # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs
+        results = [r for path in sorted(RESULTS.glob(f"compare-{shape}*.jsonl")) for r in _load(path)]
         if not results:
             continue
         warmup = 1 if shape == "0.5b" else 3
         print(f"### {shape}: side by side (median after {warmup} warm-up update(s) per run)\n")
-        print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates | ours/TRL time | ours/TRL memory |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         ratios = []
         for mode in ("lora", "full"):
+            groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward")]
             rows = {}
-            for impl in ("trl", "ours"):
+            for impl, kind in groups:
                 sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
-                       and (impl == "trl" or r["cfg"]["value_kind"] == args.value_kind)]
+                       and (kind is None or r["cfg"]["value_kind"] == kind)]
                 if not sel:
                     continue
-                s = rows[impl] = summarise(sel, warmup)
-                print(f"| {mode} | {impl} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
-                      f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} |")
-            if len(rows) == 2:
-                ratios.append((mode, rows["ours"]["s_per_update"] / rows["trl"]["s_per_update"],
-                               rows["ours"]["peak_gb"] / rows["trl"]["peak_gb"]))
-        for mode, t, m in ratios:
-            print(f"\n{shape} {mode}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
+                s = rows[impl, kind] = summarise(sel, warmup)
+                label = "TRL 1.12.0" if impl == "trl" else f"ppo_cli, value {kind}"
+                ratio = ""
+                if impl == "ours" and ("trl", None) in rows:
+                    t = s["s_per_update"] / rows["trl", None]["s_per_update"]
+                    m = s["peak_gb"] / rows["trl", None]["peak_gb"]
+                    ratio = f"{t:.2f} | {m:.2f}"
+                    ratios.append((mode, kind, t, m))
+                else:
+                    ratio = " | "
+                print(f"| {mode} | {label} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
+                      f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} | {ratio} |")
+        for mode, kind, t, m in ratios:
+            print(f"\n{shape} {mode}, value {kind}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
         print()
     curves = _load(RESULTS / "compare-tiny-curve.jsonl")
     if curves:

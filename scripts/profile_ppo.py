@@ -22,7 +22,7 @@ loading and its peak (ru_maxrss) after each phase. ``--lever`` turns a speed lev
     logsumexp=off        full log_softmax over the vocabulary instead of gather - logsumexp, chunked
     inference_mode=off   reference/critic rollout forwards under no_grad instead of inference_mode
     fused_adamw=off      for-loop AdamW instead of the fused kernel
-    malloc=off           glibc's default (self-raising) mmap threshold: freed activations stay resident
+    malloc=off           glibc's defaults: freed activations go back to the kernel and are faulted in again
 
 The old log-probs lever is a recipe key: --set ppo.rollout_logprobs=forward (a second policy forward)
 or generation (reuse the sampling passes).
