@@ -332,6 +332,9 @@ def cmd_compare(args) -> None:
 def cmd_scaling(args) -> None:
     out = RESULTS / f"scaling-{args.shape}.jsonl"
     points = [("batch", b, 24) for b in (4, 8, 16)] + [("length", 8, n) for n in (12, 24, 48)]
+    if args.only:  # e.g. "b8-n48,b8-n24": repeat some points, in this order
+        wanted = args.only.split(",")
+        points = [p for w in wanted for p in points if f"b{p[1]}-n{p[2]}" == w][: len(wanted)]
     for axis, batch, length in points:
         cfg = bench_config(args, batch=batch, micro_batch=batch, response_length=length, value_kind=args.value_kind)
         load = wait_for_quiet(args.max_load) if args.max_load else load_average()
@@ -434,41 +437,47 @@ def summarise(results: list[dict], warmup: int) -> dict:
     }
 
 
+def side_by_side_table(results: list[dict], shape: str, warmup: int, title: str) -> None:
+    times = sorted({r["time"][11:16] for r in results})
+    print(f"### {shape}: side by side{title} (runs finished {times[0]}-{times[-1]}; median after {warmup} warm-up update(s) per run)\n")
+    print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates | ours/TRL time | ours/TRL memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for mode in ("lora", "full"):
+        groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward")]
+        rows = {}
+        for impl, kind in groups:
+            sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
+                   and (kind is None or r["cfg"]["value_kind"] == kind)]
+            if not sel:
+                continue
+            s = rows[impl, kind] = summarise(sel, warmup)
+            label = "TRL 1.12.0" if impl == "trl" else f"ppo_cli, value {kind}"
+            ratio = " | "
+            if impl == "ours" and ("trl", None) in rows:
+                t = s["s_per_update"] / rows["trl", None]["s_per_update"]
+                m = s["peak_gb"] / rows["trl", None]["peak_gb"]
+                ratio = f"{t:.2f} | {m:.2f}"
+                ratios.append((mode, kind, t, m))
+            print(f"| {mode} | {label} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
+                  f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} | {ratio} |")
+    for mode, kind, t, m in ratios:
+        print(f"\n{shape} {mode}, value {kind}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
+    print()
+
+
 def cmd_report(args) -> None:
     print(f"machine: {machine()}\n")
     for shape in ("tiny", "0.5b"):
-        # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs
-        results = [r for path in sorted(RESULTS.glob(f"compare-{shape}*.jsonl")) for r in _load(path)]
-        if not results:
-            continue
+        # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs;
+        # a later round (-late) gets its own table: the machine's speed drifts over an hour.
+        paths = sorted(RESULTS.glob(f"compare-{shape}*.jsonl"))
+        main = [r for path in paths if not path.stem.endswith("-late") for r in _load(path)]
+        late = [r for path in paths if path.stem.endswith("-late") for r in _load(path)]
         warmup = 1 if shape == "0.5b" else 3
-        print(f"### {shape}: side by side (median after {warmup} warm-up update(s) per run)\n")
-        print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates | ours/TRL time | ours/TRL memory |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        ratios = []
-        for mode in ("lora", "full"):
-            groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward")]
-            rows = {}
-            for impl, kind in groups:
-                sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
-                       and (kind is None or r["cfg"]["value_kind"] == kind)]
-                if not sel:
-                    continue
-                s = rows[impl, kind] = summarise(sel, warmup)
-                label = "TRL 1.12.0" if impl == "trl" else f"ppo_cli, value {kind}"
-                ratio = ""
-                if impl == "ours" and ("trl", None) in rows:
-                    t = s["s_per_update"] / rows["trl", None]["s_per_update"]
-                    m = s["peak_gb"] / rows["trl", None]["peak_gb"]
-                    ratio = f"{t:.2f} | {m:.2f}"
-                    ratios.append((mode, kind, t, m))
-                else:
-                    ratio = " | "
-                print(f"| {mode} | {label} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
-                      f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} | {ratio} |")
-        for mode, kind, t, m in ratios:
-            print(f"\n{shape} {mode}, value {kind}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
-        print()
+        for results, title in ((main, ""), (late, ", a later round")):
+            if results:
+                side_by_side_table(results, shape, warmup, title)
     curves = _load(RESULTS / "compare-tiny-curve.jsonl")
     if curves:
         print("### tiny: reward curves (objective/scores per update, mean over seeds)\n")
@@ -498,12 +507,15 @@ def cmd_report(args) -> None:
     for shape in ("tiny", "0.5b"):
         results = _load(RESULTS / f"scaling-{shape}.jsonl")
         if results:
-            print(f"### {shape}: scaling (ours)\n\n| rollout batch | response tokens | s/update | s per generated token |")
-            print("|---|---|---|---|")
+            print(f"### {shape}: scaling (ours)\n\n| finished | rollout batch | response tokens | s/update | rollout s | "
+                  "s per generated token | peak GB |")
+            print("|---|---|---|---|---|---|---|")
             for r in results:
                 s = summarise([r], 1)
-                print(f"| {r['cfg']['batch']} | {r['cfg']['response_length']} | {s['s_per_update']:.2f} | "
-                      f"{s['s_per_update'] / (r['cfg']['batch'] * r['cfg']['response_length']):.4f} |")
+                rollout = statistics.median(r["rollout_seconds"][1:] or r["rollout_seconds"])
+                print(f"| {r['time'][11:16]} | {r['cfg']['batch']} | {r['cfg']['response_length']} | {s['s_per_update']:.2f} | "
+                      f"{rollout:.2f} | {s['s_per_update'] / (r['cfg']['batch'] * r['cfg']['response_length']):.4f} | "
+                      f"{r['peak_memory_gb']:.2f} |")
             print()
         results = _load(RESULTS / f"memory-{shape}.jsonl")
         if results:

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from ppo_cli.commands.plan import (
+    CPU_HEAP_RETENTION,
     GB,
     QUANT_BYTES,
     RUNTIME_GB,
@@ -102,6 +103,17 @@ def test_lora_estimate_parts(model_dir):
     assert p["rollout", "KV cache"] == pytest.approx(2 * 2 * 2 * 4 * 4 * 10 * 4)
     static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
     assert est.total_gb * GB == pytest.approx(static + max(est.update_gb, est.rollout_gb) * GB)
+
+
+def test_cpu_adds_the_heap_retention_of_the_update_only_on_cpu(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    for lora, key in ((LoraConfig(r=4, alpha=8), "frozen_base"), (None, "trained")):
+        cpu = parts(estimate(settings(lora=lora), shape, None, [reward]))
+        live = cpu["policy", "activations (update)"] + cpu["policy", "logits (update)"]
+        assert cpu["runtime", "freed memory kept (update)"] == pytest.approx(CPU_HEAP_RETENTION[key] * live)
+        cuda = parts(estimate(settings(lora=lora, device="cuda"), shape, None, [reward]))
+        assert ("runtime", "freed memory kept (update)") not in cuda
 
 
 def test_full_finetune_parts(model_dir):

@@ -14,7 +14,8 @@ LoRA adapts) and which do not. The rest is arithmetic on the recipe:
                  10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
                  logits of the response positions (three float32 copies: logits, scaled, gradient)
     rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
-    runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB
+    runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
+                 on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
 
 Peak = weights + LoRA + gradients + optimizer + runtime + max(update activations, rollout working set).
 Importing this module does not import torch; ``plan()`` does (for the meta-device models).
@@ -34,6 +35,11 @@ DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 # per 256 absmax blocks; LLM.int8 = 1 byte + a float32 scale per output row (~0 per parameter).
 QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
+# CPU: glibc keeps the update's freed activations in the heap for reuse (ppo_cli turns off trimming,
+# engine/session.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
+# Measured at the 0.5B shape (docs/benchmarks.md): peak RSS - live estimate = 2.2x the update's
+# activations with a frozen (LoRA) base, 0.8x when the weights train.
+CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
 ADAMW_STATES = 2
 
 
@@ -266,6 +272,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     logits = 3 * B * T * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"3 x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
+    if s.device == "cpu":
+        factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
+        update.append(Line("runtime", "freed memory kept (update)", factor * sum(l.gb for l in update),
+                           f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
 
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
