@@ -317,7 +317,8 @@ def cmd_compare(args) -> None:
     modes = [m.strip() for m in args.modes.split(",")]
     for round_ in range(args.rounds):
         for mode in modes:
-            cfg = bench_config(args, lora=(mode == "lora"), value_kind=args.value_kind, seed=args.seed + round_)
+            cfg = bench_config(args, lora=(mode == "lora"), value_kind=args.value_kind, seed=args.seed + round_,
+                               lr=args.lr)
             order = ["trl", "ours"] if round_ % 2 == 0 else ["ours", "trl"]
             for impl in [i for i in order if i in args.impls.split(",")]:
                 load = wait_for_quiet(args.max_load) if args.max_load else load_average()
@@ -472,38 +473,38 @@ def cmd_report(args) -> None:
         # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs;
         # a later round (-late) gets its own table: the machine's speed drifts over an hour.
         paths = sorted(RESULTS.glob(f"compare-{shape}*.jsonl"))
-        main = [r for path in paths if not path.stem.endswith("-late") for r in _load(path)]
+        # -earlier (a previous session, under load) and -lr1e-3 (run beside CI): reward curves only
+        main = [r for path in paths if not path.stem.endswith(("-late", "-earlier", "-lr1e-3")) for r in _load(path)]
         late = [r for path in paths if path.stem.endswith("-late") for r in _load(path)]
         warmup = 1 if shape == "0.5b" else 3
         for results, title in ((main, ""), (late, ", a later round")):
             if results:
                 side_by_side_table(results, shape, warmup, title)
-    curves = _load(RESULTS / "compare-tiny-curve.jsonl")
+    # Every curve run, the latest per (implementation, value kind, mode, lr, seed).
+    latest = {}
+    for path in sorted(RESULTS.glob("compare-tiny-curve*.jsonl")):
+        for r in _load(path):
+            c = r["cfg"]
+            latest[r["impl"], c["value_kind"] if r["impl"] == "ours" else None, c["lora"], c["lr"], c["seed"]] = r
+    curves = list(latest.values())
     if curves:
         print("### tiny: reward curves (objective/scores per update, mean over seeds)\n")
-        blocks = None
-        table = {}
-        kinds = sorted({r["cfg"]["value_kind"] for r in curves if r["impl"] == "ours"})
-        for mode in ("lora", "full"):
-            for impl, kind in [("trl", None)] + [("ours", k) for k in kinds]:
-                sel = [r for r in curves if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
-                       and (kind is None or r["cfg"]["value_kind"] == kind)]
-                if not sel:
-                    continue
-                impl_label = "TRL (value model = reward model copy)" if kind is None else f"ours, value {kind}"
-                n = min(len(r["scores"]) for r in sel)
+        n = min(len(r["scores"]) for r in curves)
+        size = max(1, n // 8)
+        blocks = [(i, min(n, i + size)) for i in range(0, n, size)]
+        print("| mode | impl | seeds | " + " | ".join(f"{a + 1}-{b}" for a, b in blocks) + " | all | last 10 | worst seed, last 10 |")
+        print("|---|---|---|" + "---|" * (len(blocks) + 3))
+        for lora, lr in sorted({(k[2], k[3]) for k in latest}, reverse=True):
+            for impl, kind in sorted({(k[0], k[1]) for k in latest if (k[2], k[3]) == (lora, lr)},
+                                     key=lambda x: (x[0] != "trl", x[1] or "")):
+                sel = [r for k, r in latest.items() if k[:4] == (impl, kind, lora, lr)]
                 mean = [statistics.fmean(r["scores"][i] for r in sel) for i in range(n)]
-                size = max(1, n // 8)
-                blocks = [(i, min(n, i + size)) for i in range(0, n, size)]
-                table[mode, impl_label] = (mean, len(sel), sel[0]["cfg"])
-        if blocks:
-            print("| mode | impl | seeds | " + " | ".join(f"updates {a + 1}-{b}" for a, b in blocks) + " | last 10 |")
-            print("|---|---|---|" + "---|" * (len(blocks) + 1))
-            for (mode, impl), (mean, seeds, cfg) in table.items():
+                worst = min(statistics.fmean(r["scores"][n - 10:n]) for r in sel)
+                label = "TRL 1.12.0 (value model = reward model copy)" if impl == "trl" else f"ppo_cli, value {kind}"
                 cells = [f"{statistics.fmean(mean[a:b]):+.2f}" for a, b in blocks]
-                print(f"| {mode} (lr {cfg['lr']:g}) | {impl} | {seeds} | " + " | ".join(cells)
-                      + f" | {statistics.fmean(mean[-10:]):+.2f} |")
-            print()
+                print(f"| {'LoRA' if lora else 'full'} (lr {lr:g}) | {label} | {len(sel)} | " + " | ".join(cells)
+                      + f" | {statistics.fmean(mean):+.2f} | {statistics.fmean(mean[-10:]):+.2f} | {worst:+.2f} |")
+        print()
     for shape in ("tiny", "0.5b"):
         results = _load(RESULTS / f"scaling-{shape}.jsonl")
         if results:
@@ -546,6 +547,7 @@ def main(argv=None) -> int:
         p.add_argument("--max-load", type=float, default=1.2, help="wait until the 1-minute load is below this (0: never)")
         p.add_argument("--only", default=None)
         p.add_argument("--tag", default="", help="suffix of the results file, e.g. -curve")
+        p.add_argument("--lr", type=float, default=None, help="default: 3e-3 with LoRA, 1e-4 full")
     sub.add_parser("plan-check")
     p = sub.add_parser("report")
     p.add_argument("--value-kind", default="head")
