@@ -167,8 +167,8 @@ def keep_freed_memory() -> None:
     and reallocates the same few gigabytes of activations and gradients every micro-batch, so the
     kernel zeroes and faults in those pages again each time: at the 0.5B shape that was a third of the
     step's wall time, spent in the kernel. Serving every block up to glibc's 32 MB mmap limit from the
-    heap and (almost) never trimming it keeps those pages resident and reused; the resident set then stays at
-    its peak (which it reaches anyway). A no-op off glibc or with CPU_MALLOC_TUNING off.
+    heap and (almost) never trimming it keeps those pages resident and reused; the resident set then
+    stays at its peak (which it reaches anyway). A no-op off glibc or with CPU_MALLOC_TUNING off.
     """
     if not CPU_MALLOC_TUNING:
         return
