@@ -120,8 +120,13 @@ def freeze(model: nn.Module) -> nn.Module:
     the same thing without the repack.
     """
     model.requires_grad_(False)
-    quantized = any(getattr(model, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
-    return model.train() if quantized else model.eval()
+    return model.train() if is_quantized(model) else model.eval()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Loaded in 4 or 8 bit by bitsandbytes (looking through a peft wrapper)."""
+    lm = unwrap_causal_lm(model)
+    return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):

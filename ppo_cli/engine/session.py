@@ -27,6 +27,7 @@ from ppo_cli.engine.models import (
     build_actor_critic,
     disable_dropout,
     freeze,
+    is_quantized,
     load_pretrained,
     load_tokenizer,
     resolve_device,
@@ -211,11 +212,6 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id)
 
 
-def is_quantized(model: torch.nn.Module) -> bool:
-    lm = unwrap_causal_lm(model)
-    return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
-
-
 def own_unquantized_tensors(model: torch.nn.Module) -> None:
     """CPU: copy a quantized model's unquantized tensors (embeddings, norms, biases) off the checkpoint.
 
@@ -225,7 +221,7 @@ def own_unquantized_tensors(model: torch.nn.Module) -> None:
     is unmapped.
     """
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
+        for param in module.parameters(recurse=False):
             if param.dtype.is_floating_point:
                 param.data = param.data.clone()
         for name, buffer in module.named_buffers(recurse=False):
