@@ -258,7 +258,8 @@ def _kl_zero(h: History, c: MonitorConfig):
     "value_loss_rising",
     cause="the value head is diverging instead of fitting the returns: its learning rate is too high "
     "for it, or the value update is not clipped tightly enough",
-    fix="set optim.value_lr about 5x below optim.lr, tighten ppo.cliprange_value, or lower ppo.vf_coef",
+    fix="lower optim.value_lr about 5x (metrics.jsonl's value_lr is the rate in use), tighten ppo.cliprange_value, "
+    "or lower ppo.vf_coef",
 )
 def _value_loss_rising(h: History, c: MonitorConfig):
     latest = h.latest(VALUE_LOSS)

@@ -43,7 +43,7 @@ def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
     ac = engine.actor_critic
     groups = [
         {"params": ac.policy_parameters(), "lr": optim.lr},
-        {"params": ac.value_parameters(), "lr": optim.value_lr or optim.lr},
+        {"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)},
     ]
     # The fused kernel exists for CUDA and CPU; on CPU it is ~7x faster than the default for-loop
     # (docs/benchmarks.md), which dominates a full fine-tune's optimizer step.
@@ -286,6 +286,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         metrics["skip_reason"] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
     metrics["lr"] = state.optimizer.param_groups[0]["lr"]
+    metrics["value_lr"] = state.optimizer.param_groups[1]["lr"]
     state.scheduler.step()
     state.step += 1
     state.episodes += len(prompts)

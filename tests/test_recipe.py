@@ -212,6 +212,15 @@ def test_value_adapter_without_lora(tmp_path):
     assert err.message == f"{path}:(--set): value.kind: 'adapter' needs a LoRA policy"
 
 
+def test_value_train_backbone_only_with_a_value_head(tmp_path):
+    err = error(write(tmp_path, BASE), ["value.kind=adapter", "value.train_backbone=true"])
+    assert err.message.endswith(
+        ":(--set): value.train_backbone: only used with value kind 'head', but the value kind is 'adapter'"
+    )
+    assert err.hint == "remove `value.train_backbone` or set `value.kind: head`"
+    assert load_recipe(write(tmp_path, BASE), ["value.kind=head", "value.train_backbone=true"]).value.train_backbone
+
+
 def test_value_init_from_reward_needs_a_reward_model(tmp_path):
     err = error(write(tmp_path, BASE), ["value.init_from=reward"])
     assert err.message.endswith(":(--set): value.init_from: 'reward' needs a reward component of type 'model' or 'classifier' to start from")

@@ -68,7 +68,11 @@ def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int
     """(logits (B, T, V), values (B, T) or None): values come free when the head shares the backbone."""
     ac.use_adapter(POLICY_ADAPTER)
     hidden = response_slice(backbone_hidden(ac.policy, sequences, attention_mask), response_len)
-    values = values_from_hidden(ac, hidden) if ac.value_kind == "head" else None
+    values = None
+    if ac.value_kind == "head":
+        # Detached by default: the value loss would otherwise dominate the shared weights' gradient
+        # (returns of +-10 against a policy loss near 0.1), and Adam would follow the critic's needs.
+        values = values_from_hidden(ac, hidden if ac.head_trains_backbone else hidden.detach())
     return lm_logits(ac.policy, hidden, temperature), values
 
 

@@ -109,3 +109,38 @@ def test_qlora_rollout_reference_then_training_step(make_engine):
     metrics, _ = train_step(init_state(engine, PROMPTS))
     assert abs(metrics["val/ratio"] - 1.0) < 0.05
     assert any("lora_" in n for n in _changed(before, engine.actor_critic))
+
+
+def _value_loss_grads(engine) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Gradients of the values alone (summed) w.r.t. the policy's LoRA weights, and the head's."""
+    ac = engine.actor_critic
+    generation = engine.generate(PROMPTS)
+    T = generation.response_ids.shape[1]
+    _, values = policy_forward(ac, generation.sequences, generation.attention_mask, T, 1.0)
+    ac.zero_grad(set_to_none=True)
+    values.sum().backward()
+    lora = {n: p.grad for n, p in ac.policy.named_parameters() if "lora_" in n}
+    return lora, ac.value_head.weight.grad
+
+
+def test_value_head_leaves_the_policy_weights_to_the_policy_loss_unless_asked(make_engine):
+    lora, head = _value_loss_grads(make_engine(**{"value.kind": "head"}))
+    assert head is not None and head.abs().sum() > 0
+    assert lora and all(g is None for g in lora.values())
+    lora, head = _value_loss_grads(make_engine(**{"value.kind": "head", "value.train_backbone": "true"}))
+    assert head.abs().sum() > 0
+    assert any(g is not None and g.abs().sum() > 0 for g in lora.values())
+
+
+def test_value_learning_rate_defaults_by_critic_kind(make_engine):
+    from ppo_cli.engine.models import VALUE_HEAD_LR_WIDTH, hidden_size_of
+
+    def group_lrs(**sets):
+        engine = make_engine(**sets)
+        state = init_state(engine, PROMPTS)
+        return [g["lr"] for g in state.optimizer.param_groups], hidden_size_of(engine.actor_critic.policy)
+
+    (policy_lr, value_lr), hidden = group_lrs(**{"value.kind": "head", "optim.lr": 1e-3})
+    assert policy_lr == 1e-3 and value_lr == pytest.approx(VALUE_HEAD_LR_WIDTH / hidden)
+    assert group_lrs(**{"value.kind": "adapter", "optim.lr": 1e-3})[0] == [1e-3, 1e-3]
+    assert group_lrs(**{"value.kind": "head", "optim.lr": 1e-3, "optim.value_lr": 2e-4})[0] == [1e-3, 2e-4]
