@@ -333,9 +333,11 @@ def cmd_compare(args) -> None:
 def cmd_scaling(args) -> None:
     out = RESULTS / f"scaling-{args.shape}.jsonl"
     points = [("batch", b, 24) for b in (4, 8, 16)] + [("length", 8, n) for n in (12, 24, 48)]
-    if args.only:  # e.g. "b8-n48,b8-n24": repeat some points, in this order
-        wanted = args.only.split(",")
-        points = [p for w in wanted for p in points if f"b{p[1]}-n{p[2]}" == w][: len(wanted)]
+    if args.only:  # e.g. "b8-n24,b8-n48,b8-n12,b8-n12,b8-n48,b8-n24": these points, in this order
+        points = []
+        for point in args.only.split(","):
+            batch, length = (int(part[1:]) for part in point.split("-"))
+            points.append(("length" if batch == 8 and length != 24 else "batch" if length == 24 else "other", batch, length))
     for axis, batch, length in points:
         cfg = bench_config(args, batch=batch, micro_batch=batch, response_length=length, value_kind=args.value_kind)
         load = wait_for_quiet(args.max_load) if args.max_load else load_average()

@@ -39,19 +39,37 @@ def truncate_after_stop(response_ids: torch.Tensor, stop_token_id: int, pad_toke
 
 
 def sampling_config(gen: GenerationConfig, stop_token_id: int, pad_token_id: int):
-    """A fresh GenerationConfig so no hub default (repetition penalty, min length...) sneaks in."""
+    """Exactly the recipe's sampling: PPO's log-probs are those of the full softmax at the temperature,
+    so the samples must come from it too (top_k 0 is passed as 0: None would become transformers' 50)."""
     from transformers import GenerationConfig as HFGenerationConfig
 
     return HFGenerationConfig(
         do_sample=True,
         max_new_tokens=gen.max_new_tokens,
         temperature=gen.temperature,
-        top_k=gen.top_k if gen.top_k > 0 else None,
+        top_k=gen.top_k,
         top_p=gen.top_p,
         eos_token_id=stop_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
     )
+
+
+@contextlib.contextmanager
+def without_hub_generation_defaults(model):
+    """generate() fills every field left None with the model's generation_config.json (a hub model's
+    top_k 20, repetition_penalty 1.05, suppress_tokens...) and then transformers' own defaults: a
+    blank config for the duration of the call leaves only transformers' defaults, which are all off
+    except top_k (set explicitly by sampling_config)."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    lm = unwrap_causal_lm(model)
+    saved = lm.generation_config
+    lm.generation_config = HFGenerationConfig()
+    try:
+        yield
+    finally:
+        lm.generation_config = saved
 
 
 @contextlib.contextmanager
@@ -76,7 +94,7 @@ def no_checkpointing(model):
 def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int) -> Generation:
     """Sample one response per prompt row. The global torch RNG drives sampling (seed it first)."""
     config = sampling_config(gen, stop_token_id, pad_token_id)
-    with no_checkpointing(model):
+    with no_checkpointing(model), without_hub_generation_defaults(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)

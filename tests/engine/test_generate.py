@@ -49,3 +49,42 @@ def test_trim_padding_drops_columns_after_longest_response():
     assert trimmed.response_ids.tolist() == [[5, 0, 1], [5, 6, 0]]
     assert trimmed.response_mask.shape == (2, 3)
     assert trimmed.sequences.shape == (2, 5)
+
+
+def _ranks_of_sampled_tokens(model, generation) -> torch.Tensor:
+    """Rank of every sampled response token under the model's logits at its position (0 = argmax)."""
+    from ppo_cli.engine.logprobs import position_ids_from_mask
+
+    T = generation.response_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=generation.sequences, attention_mask=generation.attention_mask.long(),
+                       position_ids=position_ids_from_mask(generation.attention_mask)).logits[:, -T - 1 : -1]
+    chosen = logits.gather(-1, generation.response_ids.unsqueeze(-1))
+    ranks = (logits > chosen).sum(dim=-1)
+    return ranks[generation.response_mask]
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampling_ignores_the_models_own_generation_defaults(tiny_models, top_k):
+    """PPO's log-probs are the full softmax's: with top_k 0 the samples must come from it, whatever the
+    checkpoint's generation_config.json says (transformers would otherwise apply its own top_k of 50)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppo_cli.engine.generate import generate
+    from ppo_cli.recipe import GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy", padding_side="left")
+    model.generation_config.top_k, model.generation_config.repetition_penalty = 1, 2.0  # a hub model's defaults
+    batch = tokenizer(["The movie was"] * 64, return_tensors="pt")
+    torch.manual_seed(0)
+    # Temperature 3 flattens the tiny model's peaked distribution: a few % of the mass lies outside the top 50.
+    gen = GenerationConfig(max_new_tokens=16, temperature=3.0, top_k=top_k)
+    generation = generate(model, batch.input_ids, batch.attention_mask.bool(), gen, tokenizer.eos_token_id,
+                          tokenizer.pad_token_id)
+    ranks = _ranks_of_sampled_tokens(model, generation)
+    if top_k == 0:
+        assert ranks.max() >= 50, "no token outside the top 50 in 64 x 16 samples from the full softmax"
+    else:
+        assert ranks.max() < top_k and ranks.min() == 0
+    assert model.generation_config.top_k == 1  # the model's own config is left as it was
