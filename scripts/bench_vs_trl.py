@@ -331,7 +331,7 @@ def cmd_compare(args) -> None:
 
 
 def cmd_scaling(args) -> None:
-    out = RESULTS / f"scaling-{args.shape}.jsonl"
+    out = RESULTS / f"scaling-{args.shape}{args.tag}.jsonl"
     points = [("batch", b, 24) for b in (4, 8, 16)] + [("length", 8, n) for n in (12, 24, 48)]
     if args.only:  # e.g. "b8-n24,b8-n48,b8-n12,b8-n12,b8-n48,b8-n24": these points, in this order
         points = []
@@ -469,17 +469,45 @@ def side_by_side_table(results: list[dict], shape: str, warmup: int, title: str)
     print()
 
 
+def scaling_table(results: list[dict], shape: str, tag: str) -> None:
+    """Every run in the order it ran; with a tag (e.g. -interleaved), also the mean per point and the
+    growth per doubling, so runs taken early and late in the pass weigh the same for every point."""
+    if not results:
+        return
+    print(f"### {shape}: scaling (ours){' ' + tag.lstrip('-') if tag else ''}\n\n| finished | rollout batch | response tokens | "
+          "s/update | rollout s | s per generated token | peak GB |")
+    print("|---|---|---|---|---|---|---|")
+    per_point: dict[tuple[int, int], list[float]] = {}
+    for r in results:
+        s = summarise([r], 1)
+        rollout = statistics.median(r["rollout_seconds"][1:] or r["rollout_seconds"])
+        per_point.setdefault((r["cfg"]["batch"], r["cfg"]["response_length"]), []).append(s["s_per_update"])
+        print(f"| {r['time'][11:16]} | {r['cfg']['batch']} | {r['cfg']['response_length']} | {s['s_per_update']:.2f} | "
+              f"{rollout:.2f} | {s['s_per_update'] / (r['cfg']['batch'] * r['cfg']['response_length']):.4f} | "
+              f"{r['peak_memory_gb']:.2f} |")
+    print()
+    if tag:
+        points = sorted(per_point)
+        means = {p: statistics.fmean(v) for p, v in per_point.items()}
+        print("| rollout batch | response tokens | runs | mean s/update | x previous point |\n|---|---|---|---|---|")
+        for i, p in enumerate(points):
+            growth = f"{means[p] / means[points[i - 1]]:.2f}x" if i else ""
+            print(f"| {p[0]} | {p[1]} | {len(per_point[p])} | {means[p]:.2f} | {growth} |")
+        print()
+
+
 def cmd_report(args) -> None:
     print(f"machine: {machine()}\n")
     for shape in ("tiny", "0.5b"):
         # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs;
         # a later round (-late) gets its own table: the machine's speed drifts over an hour.
-        paths = sorted(RESULTS.glob(f"compare-{shape}*.jsonl"))
-        # -earlier (a previous session, under load) and -lr1e-3 (run beside CI): reward curves only
-        main = [r for path in paths if not path.stem.endswith(("-late", "-earlier", "-lr1e-3")) for r in _load(path)]
-        late = [r for path in paths if path.stem.endswith("-late") for r in _load(path)]
+        # Timing tables: compare-{shape}.jsonl (and the first tiny curve pairs), then one table per later
+        # round (e.g. -late): the machine's speed drifts over an hour. Other curve files (-earlier: under
+        # load; -lr1e-3: beside CI; -s3: ours alone) are reward curves only.
+        main = _load(RESULTS / f"compare-{shape}.jsonl") + (_load(RESULTS / "compare-tiny-curve.jsonl") if shape == "tiny" else [])
+        later = [p for p in sorted(RESULTS.glob(f"compare-{shape}-*.jsonl")) if "curve" not in p.stem]
         warmup = 1 if shape == "0.5b" else 3
-        for results, title in ((main, ""), (late, ", a later round")):
+        for results, title in [(main, "")] + [(_load(p), f", round {p.stem.split('-', 2)[2]}") for p in later]:
             if results:
                 side_by_side_table(results, shape, warmup, title)
     # Every curve run, the latest per (implementation, value kind, mode, lr, seed).
@@ -508,18 +536,8 @@ def cmd_report(args) -> None:
                       + f" | {statistics.fmean(mean):+.2f} | {statistics.fmean(mean[-10:]):+.2f} | {worst:+.2f} |")
         print()
     for shape in ("tiny", "0.5b"):
-        results = _load(RESULTS / f"scaling-{shape}.jsonl")
-        if results:
-            print(f"### {shape}: scaling (ours)\n\n| finished | rollout batch | response tokens | s/update | rollout s | "
-                  "s per generated token | peak GB |")
-            print("|---|---|---|---|---|---|---|")
-            for r in results:
-                s = summarise([r], 1)
-                rollout = statistics.median(r["rollout_seconds"][1:] or r["rollout_seconds"])
-                print(f"| {r['time'][11:16]} | {r['cfg']['batch']} | {r['cfg']['response_length']} | {s['s_per_update']:.2f} | "
-                      f"{rollout:.2f} | {s['s_per_update'] / (r['cfg']['batch'] * r['cfg']['response_length']):.4f} | "
-                      f"{r['peak_memory_gb']:.2f} |")
-            print()
+        for path in sorted(RESULTS.glob(f"scaling-{shape}*.jsonl")):
+            scaling_table(_load(path), shape, path.stem[len(f"scaling-{shape}"):])
         results = _load(RESULTS / f"memory-{shape}.jsonl")
         if results:
             print(f"### {shape}: peak memory per configuration (ours, CPU)\n\n| configuration | peak GB |")
