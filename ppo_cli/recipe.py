@@ -190,6 +190,13 @@ class PPOConfig(Section):
     rollout_batch_size: int = Field(16, gt=0, description="Prompts (episodes) per update (TRL: batch_size).")
     mini_batch_size: int = Field(8, gt=0, description="Episodes per optimizer step (TRL: mini_batch_size).")
     micro_batch_size: int = Field(8, gt=0, description="Episodes per forward/backward (TRL: per_device_train_batch_size).")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0,
+        description="In the update, instead of micro_batch_size episodes: micro-batches of at most this many tokens "
+        "(episodes x (prompt + longest response)), filled longest response first, so short responses share a "
+        "forward and memory is bounded by tokens (verl: use_dynamic_bsz). An episode longer than this gets a "
+        "micro-batch of its own. The rollout's forwards still use micro_batch_size.",
+    )
     ppo_epochs: int = Field(4, gt=0, description="Passes over each rollout batch (TRL: num_ppo_epochs).")
     cliprange: float = Field(0.2, gt=0.0, description="Clip range of the policy ratio (TRL: cliprange).")
     cliprange_value: float = Field(0.2, gt=0.0, description="Clip range of the value update (TRL: cliprange_value).")

@@ -127,23 +127,55 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     return loss
 
 
+def token_budget_micro_batches(rows: torch.Tensor, response_lengths: torch.Tensor, prompt_len: int,
+                               budget: int) -> list[torch.Tensor]:
+    """Split a mini-batch's episode indices into micro-batches of at most ``budget`` padded tokens.
+
+    rows (M,) episode indices, response_lengths (M,) their real response lengths. A micro-batch of n
+    episodes costs n x (prompt_len + its longest response), as micro_batch_loss trims it. Filled
+    longest first, so each micro-batch holds responses of similar length.
+    """
+    order = response_lengths.argsort(descending=True, stable=True).tolist()
+    batches, current, longest = [], [], 0
+    for i in order:
+        tokens = prompt_len + max(1, int(response_lengths[i]))
+        longest = max(longest, tokens)
+        if current and (len(current) + 1) * longest > budget:
+            batches.append(rows[current])
+            current, longest = [], tokens
+        current.append(i)
+    return batches + [rows[current]]
+
+
+def split_micro_batches(mini_batch: torch.Tensor, rollout: Rollout, ppo: PPOConfig) -> list[torch.Tensor]:
+    if ppo.micro_batch_tokens is None:
+        return list(mini_batch.split(ppo.micro_batch_size))
+    gen = rollout.generation
+    lengths = gen.response_mask[mini_batch].sum(dim=1)
+    return token_budget_micro_batches(mini_batch, lengths, gen.prompt_ids.shape[1], ppo.micro_batch_tokens)
+
+
 def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateStats:
     ppo, max_grad_norm, optimizer = state.recipe.ppo, state.recipe.optim.max_grad_norm, state.optimizer
     accelerator = state.dist.accelerator
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    batch_size, stats = len(rollout.prompts), UpdateStats(micro_batches_per_step=ppo.grad_accum_steps)
+    batch_size, stats = len(rollout.prompts), UpdateStats()
     for epoch in range(ppo.ppo_epochs):
         epoch_start = len(stats.values.get("approx_kl", []))
         order = torch.randperm(batch_size, device=state.engine.device)
-        for mini_batch in order.split(ppo.mini_batch_size):
+        for index_in_epoch, mini_batch in enumerate(order.split(ppo.mini_batch_size)):
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = mini_batch.split(ppo.micro_batch_size)
+            micro_batches = split_micro_batches(mini_batch, rollout, ppo)
+            if epoch == 0 and index_in_epoch == 0:
+                stats.micro_batches_per_step = len(micro_batches)
             for index, rows in enumerate(micro_batches):
                 # Gradients are averaged across processes once per mini-batch, not per micro-batch.
                 sync = index == len(micro_batches) - 1
                 with contextlib.nullcontext() if sync else accelerator.no_sync(state.model):
                     loss = micro_batch_loss(state, rollout, adv, rows, stats)
-                    accelerator.backward(loss / ppo.grad_accum_steps)
+                    # Each micro-batch's loss is a mean over its own tokens: weight it by its share of
+                    # the mini-batch's episodes (1 / grad_accum_steps when all are the same size).
+                    accelerator.backward(loss / (len(mini_batch) / len(rows)))
             grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm or float("inf"))
             # One NaN step would poison the weights for good: drop it. (After the all-reduce the
             # gradients, hence their norm, are the same on every process, so all of them agree.)

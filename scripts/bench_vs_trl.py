@@ -512,10 +512,10 @@ def cmd_report(args) -> None:
                 side_by_side_table(results, shape, warmup, title)
     # Every curve run, the latest per (implementation, value kind, mode, lr, seed).
     latest = {}
-    for path in sorted(RESULTS.glob("compare-tiny-curve*.jsonl")):
-        for r in _load(path):
-            c = r["cfg"]
-            latest[r["impl"], c["value_kind"] if r["impl"] == "ours" else None, c["lora"], c["lr"], c["seed"]] = r
+    runs = [r for path in RESULTS.glob("compare-tiny-curve*.jsonl") for r in _load(path)]
+    for r in sorted(runs, key=lambda r: r["time"]):
+        c = r["cfg"]
+        latest[r["impl"], c["value_kind"] if r["impl"] == "ours" else None, c["lora"], c["lr"], c["seed"]] = r
     curves = list(latest.values())
     if curves:
         print("### tiny: reward curves (objective/scores per update, mean over seeds)\n")

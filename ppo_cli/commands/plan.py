@@ -161,6 +161,7 @@ class Settings:
     rollout_batch: int
     prompt_tokens: int
     response_tokens: int
+    token_budget: bool = False  # micro-batches sized by ppo.micro_batch_tokens (micro_batch: what fits)
 
 
 @dataclass
@@ -347,7 +348,9 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
               dataclasses.replace(s, gradient_checkpointing=True))
     smaller = [m for m in range(s.micro_batch - 1, 0, -1) if s.mini_batch % m == 0]
     for micro in smaller:
-        offer(f"micro-batch {micro} (same mini-batch, more gradient accumulation)", [f"ppo.micro_batch_size={micro}"],
+        sets = ([f"ppo.micro_batch_tokens={micro * (s.prompt_tokens + s.response_tokens)}"] if s.token_budget
+                else [f"ppo.micro_batch_size={micro}"])
+        offer(f"micro-batch {micro} (same mini-batch, more gradient accumulation)", sets,
               dataclasses.replace(s, micro_batch=micro), combine=micro == smaller[-1])
     if n_combined > 1:
         out.append(("all of the above", combined_sets, combined))
@@ -416,10 +419,20 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
         value_kind=recipe.value_kind, value_dtype=dtype(recipe.value.dtype, policy_dtype), value_lora=recipe.value.lora,
-        rewards=rewards, micro_batch=recipe.ppo.micro_batch_size, mini_batch=recipe.ppo.mini_batch_size,
+        rewards=rewards, micro_batch=_update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
         rollout_batch=recipe.ppo.rollout_batch_size,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
+        token_budget=recipe.ppo.micro_batch_tokens is not None,
     )
+
+
+def _update_micro_batch(recipe: Recipe, prompt_len: int) -> int:
+    """Episodes per update forward: micro_batch_size, or, with a token budget, as many full-length
+    episodes as fit in it (the worst case: every response runs to max_new_tokens)."""
+    ppo = recipe.ppo
+    if ppo.micro_batch_tokens is None:
+        return ppo.micro_batch_size
+    return max(1, min(ppo.mini_batch_size, ppo.micro_batch_tokens // (prompt_len + recipe.generation.max_new_tokens)))
 
 
 def model_shapes(recipe: Recipe) -> dict:
