@@ -135,14 +135,13 @@ def token_budget_micro_batches(rows: torch.Tensor, response_lengths: torch.Tenso
     episodes costs n x (prompt_len + its longest response), as micro_batch_loss trims it. Filled
     longest first, so each micro-batch holds responses of similar length.
     """
-    order = response_lengths.argsort(descending=True, stable=True).tolist()
-    batches, current, longest = [], [], 0
-    for i in order:
-        tokens = prompt_len + max(1, int(response_lengths[i]))
-        longest = max(longest, tokens)
-        if current and (len(current) + 1) * longest > budget:
+    batches, current, width = [], [], 0
+    for i in response_lengths.argsort(descending=True, stable=True).tolist():
+        if current and (len(current) + 1) * width > budget:
             batches.append(rows[current])
-            current, longest = [], tokens
+            current = []
+        if not current:  # longest first: a micro-batch's first episode sets its width
+            width = prompt_len + max(1, int(response_lengths[i]))
         current.append(i)
     return batches + [rows[current]]
 
