@@ -94,11 +94,13 @@ class ValueConfig(Section):
     path: str | None = Field(None, description="Explicit value model path (kind: model).")
     dtype: Dtype | None = Field(None, description="Default: the policy's dtype.")
     lora: LoraConfig | None = Field(None, description="Adapter settings for kind: adapter. Default: the policy's.")
-    train_backbone: bool = Field(
-        False,
-        description="kind: head only. true: the value loss also trains the shared policy weights (old TRL's value-head "
-        "models). false: the head is a linear critic on the policy's features and only the policy loss moves the "
-        "policy; on the tiny task the policy then learns faster (docs/benchmarks.md).",
+    train_backbone: bool | None = Field(
+        None,
+        description="Does the value loss train the network under the value head? kind head (default false): true "
+        "also trains the shared policy weights (old TRL's value-head models); false keeps the head a linear critic on "
+        "the policy's features, and the policy then learns faster (docs/benchmarks.md). kind model (default true): "
+        "false freezes the value model and trains only its head; with init_from: reward the critic then starts as "
+        "TRL's does (the reward model's score at every prefix) without a second trained network. Not for adapter.",
     )
 
 
@@ -405,10 +407,10 @@ class Recipe(Section):
                 "set `value.kind: model` or remove `value.path`",
                 key="value.path",
             )
-        if value.train_backbone and self.value_kind != "head":
+        if value.train_backbone is not None and self.value_kind == "adapter":
             raise _rule_error(
-                f"only used with value kind 'head', but the value kind is '{self.value_kind}'",
-                "remove `value.train_backbone` or set `value.kind: head`",
+                "not used with value kind 'adapter' (the value adapter is what trains)",
+                "remove `value.train_backbone`, or set `value.kind: head` or `value.kind: model`",
                 key="value.train_backbone",
             )
         if value.lora is not None and self.value_kind != "adapter":

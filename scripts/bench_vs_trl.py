@@ -216,9 +216,11 @@ def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
         "output_dir": str(CACHE / "runs"),
         "policy": {"path": str(paths["policy"]), "dtype": "float32",
                    "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"} if cfg["lora"] else None},
-        # "model-reward": a separate critic initialised from the reward model, as TRL's value model
+        # "model-reward": a separate critic initialised from the reward model, as TRL's value model;
+        # "model-reward-frozen": the same with its backbone frozen (only the head trains)
         "value": ({"kind": "model", "init_from": "reward"} if cfg["value_kind"] == "model-reward"
-                  else {"kind": cfg["value_kind"]}),
+                  else {"kind": "model", "init_from": "reward", "train_backbone": False}
+                  if cfg["value_kind"] == "model-reward-frozen" else {"kind": cfg["value_kind"]}),
         "reward": {"components": [{"type": "model", "path": str(paths["reward"]), "batch_size": 64}],
                    "missing_eos_penalty": cfg["missing_eos_penalty"]},
         "data": {"prompts": str(paths["prompts"]), "max_prompt_tokens": 32},
@@ -447,7 +449,7 @@ def side_by_side_table(results: list[dict], shape: str, warmup: int, title: str)
     print("|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for mode in ("lora", "full"):
-        groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward")]
+        groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward", "model-reward-frozen")]
         rows = {}
         for impl, kind in groups:
             sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
@@ -560,7 +562,7 @@ def main(argv=None) -> int:
         p.add_argument("--updates", type=int, default=5)
         p.add_argument("--rounds", type=int, default=2)
         p.add_argument("--modes", default="lora,full")
-        p.add_argument("--value-kind", default="head", choices=("head", "adapter", "model", "model-reward", "auto"))
+        p.add_argument("--value-kind", default="head", choices=("head", "adapter", "model", "model-reward", "model-reward-frozen", "auto"))
         p.add_argument("--impls", default="trl,ours")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--warmup", type=int, default=1)

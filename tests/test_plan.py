@@ -133,6 +133,16 @@ def test_full_finetune_parts(model_dir):
     assert p["value", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 2)
 
 
+def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    value = describe_model(str(model_dir), "backbone")
+    est = estimate(settings(value_kind="model", value_dtype="bfloat16", value_frozen=True, rewards=()), shape, value, [])
+    p = parts(est)
+    assert p["value", "weights"] == pytest.approx(value.total_params * 2)
+    assert p["value", "gradients + AdamW states"] == pytest.approx(3 * 17 * 4)  # hidden 16 + bias, float32
+    assert ("value", "activations (update)") not in p  # a frozen forward keeps nothing for the backward
+
+
 def test_gradient_checkpointing_keeps_layer_inputs_only(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     est = estimate(settings(gradient_checkpointing=True), shape, None, [])

@@ -212,13 +212,14 @@ def test_value_adapter_without_lora(tmp_path):
     assert err.message == f"{path}:(--set): value.kind: 'adapter' needs a LoRA policy"
 
 
-def test_value_train_backbone_only_with_a_value_head(tmp_path):
+def test_value_train_backbone_not_with_an_adapter_critic(tmp_path):
     err = error(write(tmp_path, BASE), ["value.kind=adapter", "value.train_backbone=true"])
     assert err.message.endswith(
-        ":(--set): value.train_backbone: only used with value kind 'head', but the value kind is 'adapter'"
+        ":(--set): value.train_backbone: not used with value kind 'adapter' (the value adapter is what trains)"
     )
-    assert err.hint == "remove `value.train_backbone` or set `value.kind: head`"
+    assert err.hint == "remove `value.train_backbone`, or set `value.kind: head` or `value.kind: model`"
     assert load_recipe(write(tmp_path, BASE), ["value.kind=head", "value.train_backbone=true"]).value.train_backbone
+    assert load_recipe(write(tmp_path, BASE), ["value.kind=model", "value.train_backbone=false"]).value.train_backbone is False
 
 
 def test_value_init_from_reward_needs_a_reward_model(tmp_path):

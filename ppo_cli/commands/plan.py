@@ -162,6 +162,7 @@ class Settings:
     prompt_tokens: int
     response_tokens: int
     token_budget: bool = False  # micro-batches sized by ppo.micro_batch_tokens (micro_batch: what fits)
+    value_frozen: bool = False  # value.kind model with train_backbone false: only its head trains
 
 
 @dataclass
@@ -237,10 +238,11 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                           f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B"))
     else:
         assert value is not None
-        trainable_value = value.total_params + head
+        trainable_value = (0 if s.value_frozen else value.total_params) + head
         lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
-                          "separate model: " + _weights_how(value, s.value_dtype, "none")))
-    value_bytes = 4.0 if s.value_kind != "model" else b[s.value_dtype]
+                          ("separate frozen model: " if s.value_frozen else "separate model: ")
+                          + _weights_how(value, s.value_dtype, "none")))
+    value_bytes = 4.0 if s.value_kind != "model" or s.value_frozen else b[s.value_dtype]
     lines.append(Line("value", "gradients + AdamW states", (1 + ADAMW_STATES) * trainable_value * value_bytes / GB,
                       f"3 x {trainable_value / 1e6:.2f}M x {value_bytes:g} B"))
     # --- reward
@@ -261,7 +263,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
     act = B * L * per_token * cb
     update = [Line("policy", "activations (update)", act / GB, how, "update")]
-    if s.value_kind in ("adapter", "model"):
+    if s.value_kind == "adapter" or (s.value_kind == "model" and not s.value_frozen):  # frozen: nothing kept
         vshape = policy if s.value_kind == "adapter" else value
         v_trains = s.value_kind == "model"
         per = vshape.layers * activation_floats_per_token_layer(vshape, v_trains, r, L)
@@ -423,6 +425,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         rollout_batch=recipe.ppo.rollout_batch_size,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
+        value_frozen=recipe.value_kind == "model" and recipe.value.train_backbone is False,
     )
 
 

@@ -285,6 +285,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
         value_dtype = resolve_dtype(recipe.value.dtype or pol.dtype, device)
         value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
         value_backbone.train()
+        if recipe.value.train_backbone is False:  # a head on frozen features (None: trained, the default)
+            freeze(value_backbone)
         hidden = value_backbone.config.hidden_size
         if recipe.value.init_from == "reward":
             from transformers import AutoModelForSequenceClassification
@@ -292,7 +294,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
             init_from = load_pretrained(AutoModelForSequenceClassification, value_path, dtype=torch.float32, **common)
     torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
     model = ActorCritic(policy, kind, _value_head(hidden, device, init_from), value_backbone, ref_model,
-                        head_trains_backbone=recipe.value.train_backbone)
+                        head_trains_backbone=bool(recipe.value.train_backbone))
     model.use_adapter(POLICY_ADAPTER)
     return model
 

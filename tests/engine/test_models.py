@@ -144,3 +144,15 @@ def test_value_learning_rate_defaults_by_critic_kind(make_engine):
     assert policy_lr == 1e-3 and value_lr == pytest.approx(VALUE_HEAD_LR_WIDTH / hidden)
     assert group_lrs(**{"value.kind": "adapter", "optim.lr": 1e-3})[0] == [1e-3, 1e-3]
     assert group_lrs(**{"value.kind": "head", "optim.lr": 1e-3, "optim.value_lr": 2e-4})[0] == [1e-3, 2e-4]
+
+
+def test_frozen_value_model_trains_only_its_head(make_engine):
+    engine = make_engine(**{"value.kind": "model", "value.train_backbone": "false"})
+    ac = engine.actor_critic
+    assert ac.value_parameters() == list(ac.value_head.parameters())
+    backbone_before, head_before = _snapshot(ac.value_backbone), _snapshot(ac.value_head)
+    state = init_state(engine, PROMPTS)
+    assert len(state.optimizer.param_groups[1]["params"]) == 2  # weight and bias of the head
+    train_step(state)
+    assert not _changed(backbone_before, ac.value_backbone)
+    assert _changed(head_before, ac.value_head) == {"weight", "bias"}
