@@ -113,7 +113,9 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     sequences = torch.cat([gen.prompt_ids[rows], response_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask[rows], mask], dim=1)
 
-    logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature)
+    fixed = rollout.fixed_value_features
+    logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
+                                 None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
     policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], mask, ppo.cliprange)
     value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)

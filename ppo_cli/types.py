@@ -44,6 +44,7 @@ class Rollout(NamedTuple):
     values: torch.Tensor  # (B, T) V_old(state before each response token)
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties
     score_components: dict[str, list[float]]  # component name -> per-episode value (penalties included)
+    fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update
 
 
 class Advantages(NamedTuple):

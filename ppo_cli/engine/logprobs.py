@@ -76,17 +76,23 @@ def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int
     return lm_logits(ac.policy, hidden, temperature), values
 
 
-def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
-    """Values (B, T) from the critic: a second adapter on the shared base, or a separate backbone."""
-    if ac.value_kind == "head":
-        return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
+def value_features(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
+    """What the value head reads (B, T, H) from the critic's own network: the second adapter on the
+    shared base, or the separate backbone (value kinds adapter and model)."""
     if ac.value_kind == "adapter":
         ac.use_adapter(VALUE_ADAPTER)
         hidden = backbone_hidden(ac.policy, sequences, attention_mask)
         ac.use_adapter(POLICY_ADAPTER)
     else:
         hidden = backbone_hidden(ac.value_backbone, sequences, attention_mask)
-    return values_from_hidden(ac, response_slice(hidden, response_len))
+    return response_slice(hidden, response_len)
+
+
+def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
+    """Values (B, T) from the critic."""
+    if ac.value_kind == "head":
+        return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
+    return values_from_hidden(ac, value_features(ac, sequences, attention_mask, response_len))
 
 
 def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float) -> torch.Tensor:
@@ -109,8 +115,13 @@ class PolicyAndValue(nn.Module):
         super().__init__()
         self.actor_critic = actor_critic
 
-    def forward(self, sequences, attention_mask, response_len: int, temperature: float):
-        logits, values = policy_forward(self.actor_critic, sequences, attention_mask, response_len, temperature)
-        if values is None:
-            values = value_forward(self.actor_critic, sequences, attention_mask, response_len)
+    def forward(self, sequences, attention_mask, response_len: int, temperature: float,
+                fixed_value_features: torch.Tensor | None = None):
+        """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run)."""
+        ac = self.actor_critic
+        logits, values = policy_forward(ac, sequences, attention_mask, response_len, temperature)
+        if values is None and fixed_value_features is not None:
+            values = values_from_hidden(ac, fixed_value_features)
+        elif values is None:
+            values = value_forward(ac, sequences, attention_mask, response_len)
         return logits, values

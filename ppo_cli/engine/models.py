@@ -217,6 +217,12 @@ class ActorCritic(nn.Module):
             return VALUE_HEAD_LR_WIDTH / hidden_size_of(self.policy)
         return policy_lr
 
+    @property
+    def value_features_fixed(self) -> bool:
+        """A frozen separate value model: its features for a rollout never change, so the update can
+        reuse the rollout's instead of running the value model again."""
+        return self.value_backbone is not None and not any(p.requires_grad for p in self.value_backbone.parameters())
+
     def policy_parameters(self) -> list[nn.Parameter]:
         value_ids = {id(p) for p in self.value_parameters()}
         return [p for p in self._trainable if id(p) not in value_ids]
@@ -243,8 +249,12 @@ def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | N
     return head.to(device=device, dtype=torch.float32)
 
 
-def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
-    """Load the policy (+LoRA), the reference and the value model as the recipe describes."""
+def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, nn.Module] | None = None) -> ActorCritic:
+    """Load the policy (+LoRA), the reference and the value model as the recipe describes.
+
+    ``loaded``: sequence-classification models already in memory (the reward's), by path. A frozen
+    value model on one of them (value.train_backbone: false) shares its weights instead of a copy.
+    """
     from transformers import AutoModel, AutoModelForCausalLM
 
     pol = recipe.policy
@@ -283,12 +293,17 @@ def build_actor_critic(recipe: Recipe, device: torch.device) -> ActorCritic:
     elif kind == "model":
         value_path = recipe.value.path or (_first_reward_model_path(recipe) if recipe.value.init_from == "reward" else pol.path)
         value_dtype = resolve_dtype(recipe.value.dtype or pol.dtype, device)
-        value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
-        value_backbone.train()
-        if recipe.value.train_backbone is False:  # a head on frozen features (None: trained, the default)
-            freeze(value_backbone)
+        frozen = recipe.value.train_backbone is False  # a head on frozen features (None: trained, the default)
+        shared = (loaded or {}).get(value_path)
+        if frozen and shared is not None and shared.dtype == value_dtype and not is_quantized(shared):
+            value_backbone, init_from = shared.base_model, shared  # the reward model itself: no second copy
+        else:
+            value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
+            value_backbone.train()
+            if frozen:
+                freeze(value_backbone)
         hidden = value_backbone.config.hidden_size
-        if recipe.value.init_from == "reward":
+        if recipe.value.init_from == "reward" and init_from is None:
             from transformers import AutoModelForSequenceClassification
 
             init_from = load_pretrained(AutoModelForSequenceClassification, value_path, dtype=torch.float32, **common)

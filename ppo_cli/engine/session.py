@@ -18,6 +18,7 @@ from ppo_cli.engine.logprobs import (
     policy_forward,
     reference_logprobs,
     selective_log_softmax,
+    value_features,
     value_forward,
     values_from_hidden,
 )
@@ -90,7 +91,8 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, policy_hidden: torch.Tensor | None = None):
-        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask.
+        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask,
+        and, for a frozen value model, the features its head read (B, T, H) (else None).
 
         ``policy_hidden`` (B, T, H): the policy's hidden states kept from generation
         (generate_with_hidden); the policy's forward pass is then skipped, only its LM head (and value
@@ -99,7 +101,8 @@ class Engine:
         ac, temperature = self.actor_critic, self.recipe.generation.temperature
         sequences, attention_mask = generation.sequences, generation.attention_mask
         T = generation.response_ids.shape[1]
-        logprobs, ref_logprobs, values = [], [], []
+        logprobs, ref_logprobs, values, features = [], [], [], []
+        keep_features = ac.value_features_fixed
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
             if policy_hidden is None:
@@ -112,12 +115,15 @@ class Engine:
             del logits
             with torch.inference_mode(INFERENCE_MODE):
                 ref = reference_logprobs(ac, seq, attn, resp, temperature)
+                if keep_features:
+                    features.append(value_features(ac, seq, attn, T).clone())
+                    vals = values_from_hidden(ac, features[-1])
                 vals = vals if vals is not None else value_forward(ac, seq, attn, T)
             ref_logprobs.append(ref.clone())  # clone: a normal tensor again, usable by the update's autograd
             values.append(vals.clone())
         mask = generation.response_mask
         zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
-        return zero(logprobs), zero(ref_logprobs), zero(values)
+        return zero(logprobs), zero(ref_logprobs), zero(values), torch.cat(features) if features else None
 
     def reuses_generation_forward(self) -> bool:
         """Take the old log-probs (and head values) from the generation's own forward passes?
@@ -137,12 +143,13 @@ class Engine:
     def collect_rollout(self, prompts: list[str]) -> Rollout:
         generation, hidden = self._generate(prompts, keep_hidden=self.reuses_generation_forward())
         responses = self.decode_responses(generation)
-        logprobs, ref_logprobs, values = self.evaluate_logprobs_and_values(
+        logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
             generation, self.recipe.ppo.micro_batch_size, policy_hidden=hidden
         )
         result = self.score(prompts, responses, generation)
         scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
-        return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components)
+        return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
+                       fixed_features)
 
 
 def quiet_libraries() -> None:
@@ -203,7 +210,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     reward = RewardStack(recipe.reward, device)
-    actor_critic = build_actor_critic(recipe, device)
+    loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if hasattr(s, "model")}
+    actor_critic = build_actor_critic(recipe, device, loaded)
     if device.type == "cpu":
         models = [actor_critic.policy, actor_critic.ref_model] + [getattr(s, "model", None) for _, _, s in reward.scorers]
         for model in models:

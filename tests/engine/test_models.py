@@ -156,3 +156,25 @@ def test_frozen_value_model_trains_only_its_head(make_engine):
     train_step(state)
     assert not _changed(backbone_before, ac.value_backbone)
     assert _changed(head_before, ac.value_head) == {"weight", "bias"}
+
+
+def test_frozen_value_model_on_the_reward_model_shares_it_and_the_update_reuses_its_features(make_engine, tiny_models):
+    """value.init_from reward + train_backbone false: the reward classifier's own weights, no copy, and
+    the update reads the rollout's features instead of running the value model again."""
+    engine = make_engine(**{"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false",
+                            "value.dtype": "float32"})
+    ac = engine.actor_critic
+    reward_model = engine.reward.scorers[0][2].model
+    assert ac.value_backbone is reward_model.base_model
+    rollout = engine.collect_rollout(PROMPTS)
+    T, H = rollout.values.shape[1], ac.value_backbone.config.hidden_size
+    assert rollout.fixed_value_features.shape == (len(PROMPTS), T, H)
+    calls = []
+    ac.value_backbone.register_forward_hook(lambda *args: calls.append(1))
+    state = init_state(engine, PROMPTS)
+    from ppo_cli.trainer import compute_advantages, optimise
+
+    adv = compute_advantages(rollout, 0.1, state.recipe.ppo)
+    stats = optimise(state, rollout, adv)
+    assert stats.optimizer_steps > 0 and not calls
+    assert stats.values["value_clipfrac"][0] == 0.0  # the first micro-batch's values are the rollout's
