@@ -143,6 +143,22 @@ def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir)
     assert ("value", "activations (update)") not in p  # a frozen forward keeps nothing for the backward
 
 
+def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
+    from ppo_cli.commands.plan import settings_from_recipe
+    from ppo_cli.recipe import load_recipe
+
+    sets = {"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false"}
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
+    s = settings_from_recipe(recipe, "cpu", prompt_len=8)
+    assert s.value_frozen and s.value_shared
+    shape = describe_model(str(tiny_models / "policy"), "causal_lm")
+    value = describe_model(str(tiny_models / "reward"), "backbone")
+    assert parts(estimate(s, shape, value, [value]))["value", "weights"] == 0.0
+    sets["reward.components.0.dtype"] = "bfloat16"  # another dtype: a copy of its own
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
+    assert not settings_from_recipe(recipe, "cpu", prompt_len=8).value_shared
+
+
 def test_gradient_checkpointing_keeps_layer_inputs_only(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     est = estimate(settings(gradient_checkpointing=True), shape, None, [])

@@ -163,6 +163,7 @@ class Settings:
     response_tokens: int
     token_budget: bool = False  # micro-batches sized by ppo.micro_batch_tokens (micro_batch: what fits)
     value_frozen: bool = False  # value.kind model with train_backbone false: only its head trains
+    value_shared: bool = False  # ... and it is the reward model already loaded (no second copy)
 
 
 @dataclass
@@ -239,9 +240,12 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     else:
         assert value is not None
         trainable_value = (0 if s.value_frozen else value.total_params) + head
-        lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
-                          ("separate frozen model: " if s.value_frozen else "separate model: ")
-                          + _weights_how(value, s.value_dtype, "none")))
+        if s.value_shared:
+            lines.append(Line("value", "weights", 0.0, "the reward model's, shared (frozen)"))
+        else:
+            lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
+                              ("separate frozen model: " if s.value_frozen else "separate model: ")
+                              + _weights_how(value, s.value_dtype, "none")))
     value_bytes = 4.0 if s.value_kind != "model" or s.value_frozen else b[s.value_dtype]
     lines.append(Line("value", "gradients + AdamW states", (1 + ADAMW_STATES) * trainable_value * value_bytes / GB,
                       f"3 x {trainable_value / 1e6:.2f}M x {value_bytes:g} B"))
@@ -409,8 +413,12 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
             return "bfloat16" if device == "cuda" else "float32"
         return name
 
+    from ppo_cli.engine.models import value_model_path
+
     pol = recipe.policy
     policy_dtype = dtype(pol.dtype, "float32")
+    value_dtype = dtype(recipe.value.dtype, policy_dtype)
+    frozen = recipe.value_kind == "model" and recipe.value.train_backbone is False
     rewards = tuple(
         (dtype(c.dtype, "float32"), c.quantization, c.batch_size)
         for c in recipe.reward.components if c.type in ("model", "classifier")
@@ -420,12 +428,16 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         gradient_checkpointing=pol.gradient_checkpointing,
         reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
-        value_kind=recipe.value_kind, value_dtype=dtype(recipe.value.dtype, policy_dtype), value_lora=recipe.value.lora,
+        value_kind=recipe.value_kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
         rewards=rewards, micro_batch=_update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
         rollout_batch=recipe.ppo.rollout_batch_size,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
-        value_frozen=recipe.value_kind == "model" and recipe.value.train_backbone is False,
+        value_frozen=frozen,
+        value_shared=frozen and any(
+            c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
+            for c in recipe.reward.components if c.type in ("model", "classifier")
+        ),
     )
 
 

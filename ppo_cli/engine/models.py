@@ -291,7 +291,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
             if "lora_" in name:
                 param.requires_grad_(True)
     elif kind == "model":
-        value_path = recipe.value.path or (_first_reward_model_path(recipe) if recipe.value.init_from == "reward" else pol.path)
+        value_path = value_model_path(recipe)
         value_dtype = resolve_dtype(recipe.value.dtype or pol.dtype, device)
         frozen = recipe.value.train_backbone is False  # a head on frozen features (None: trained, the default)
         shared = (loaded or {}).get(value_path)
@@ -312,6 +312,26 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
                         head_trains_backbone=bool(recipe.value.train_backbone))
     model.use_adapter(POLICY_ADAPTER)
     return model
+
+
+def value_model_path(recipe: Recipe) -> str:
+    """The separate value model's checkpoint (value.kind model): value.path, the reward model, or the policy."""
+    if recipe.value.path is not None:
+        return recipe.value.path
+    return _first_reward_model_path(recipe) if recipe.value.init_from == "reward" else recipe.policy.path
+
+
+def check_value_model_tokenizer(recipe: Recipe, policy_tokenizer) -> None:
+    """A separate value model reads the policy's token ids, so it must share the policy's vocabulary
+    (a reward classifier on another tokenizer would read garbage, or index past its embeddings)."""
+    path = value_model_path(recipe)
+    if recipe.value_kind != "model" or path == recipe.policy.path:
+        return
+    if load_tokenizer(path, trust_remote_code=recipe.policy.trust_remote_code).get_vocab() != policy_tokenizer.get_vocab():
+        raise ModelReferenceError(
+            f"value model '{path}' has a different tokenizer from the policy's, but reads the policy's token ids",
+            hint="use value.kind: adapter or head, or a value model (value.path) built on the policy's tokenizer",
+        )
 
 
 def _first_reward_model_path(recipe: Recipe) -> str:

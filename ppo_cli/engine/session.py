@@ -26,6 +26,7 @@ from ppo_cli.engine.models import (
     POLICY_ADAPTER,
     ActorCritic,
     build_actor_critic,
+    check_value_model_tokenizer,
     disable_dropout,
     freeze,
     is_quantized,
@@ -209,6 +210,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     pol = recipe.policy
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
+    check_value_model_tokenizer(recipe, tokenizer)
     reward = RewardStack(recipe.reward, device)
     loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if hasattr(s, "model")}
     actor_critic = build_actor_critic(recipe, device, loaded)

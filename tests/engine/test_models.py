@@ -178,3 +178,24 @@ def test_frozen_value_model_on_the_reward_model_shares_it_and_the_update_reuses_
     stats = optimise(state, rollout, adv)
     assert stats.optimizer_steps > 0 and not calls
     assert stats.values["value_clipfrac"][0] == 0.0  # the first micro-batch's values are the rollout's
+
+
+def test_value_model_on_another_tokenizer_is_refused_before_loading(tiny_models, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from ppo_cli.errors import ModelReferenceError
+
+    other = tmp_path / "other-reward"
+    shutil.copytree(tiny_models / "reward", other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<not-in-the-policy>"])
+    tokenizer.save_pretrained(other)
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml",
+                         tiny_overrides(tiny_models, tmp_path, **{"value.kind": "model", "value.path": str(other)}))
+    with pytest.raises(ModelReferenceError) as err:
+        load_engine(recipe)
+    assert err.value.message == (
+        f"value model '{other}' has a different tokenizer from the policy's, but reads the policy's token ids"
+    )
