@@ -208,6 +208,14 @@ def bench_config(args, **override) -> dict:
     return cfg
 
 
+VALUE_CONFIGS = {
+    # a separate critic initialised from the reward model, as TRL's value model
+    "model-reward": {"kind": "model", "init_from": "reward"},
+    # the same with its backbone frozen (only the head trains; shares the reward model's weights)
+    "model-reward-frozen": {"kind": "model", "init_from": "reward", "train_backbone": False},
+}
+
+
 def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
     paths = shape_paths(cfg["shape"])
     recipe = {
@@ -216,11 +224,7 @@ def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
         "output_dir": str(CACHE / "runs"),
         "policy": {"path": str(paths["policy"]), "dtype": "float32",
                    "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"} if cfg["lora"] else None},
-        # "model-reward": a separate critic initialised from the reward model, as TRL's value model;
-        # "model-reward-frozen": the same with its backbone frozen (only the head trains)
-        "value": ({"kind": "model", "init_from": "reward"} if cfg["value_kind"] == "model-reward"
-                  else {"kind": "model", "init_from": "reward", "train_backbone": False}
-                  if cfg["value_kind"] == "model-reward-frozen" else {"kind": cfg["value_kind"]}),
+        "value": VALUE_CONFIGS.get(cfg["value_kind"], {"kind": cfg["value_kind"]}),
         "reward": {"components": [{"type": "model", "path": str(paths["reward"]), "batch_size": 64}],
                    "missing_eos_penalty": cfg["missing_eos_penalty"]},
         "data": {"prompts": str(paths["prompts"]), "max_prompt_tokens": 32},
@@ -339,7 +343,7 @@ def cmd_scaling(args) -> None:
         points = []
         for point in args.only.split(","):
             batch, length = (int(part[1:]) for part in point.split("-"))
-            points.append(("length" if batch == 8 and length != 24 else "batch" if length == 24 else "other", batch, length))
+            points.append(("batch" if length == 24 else "length", batch, length))
     for axis, batch, length in points:
         cfg = bench_config(args, batch=batch, micro_batch=batch, response_length=length, value_kind=args.value_kind)
         load = wait_for_quiet(args.max_load) if args.max_load else load_average()

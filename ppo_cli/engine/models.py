@@ -324,8 +324,7 @@ def value_model_path(recipe: Recipe) -> str:
 def check_value_model_tokenizer(recipe: Recipe, policy_tokenizer) -> None:
     """A separate value model reads the policy's token ids, so it must share the policy's vocabulary
     (a reward classifier on another tokenizer would read garbage, or index past its embeddings)."""
-    path = value_model_path(recipe)
-    if recipe.value_kind != "model" or path == recipe.policy.path:
+    if recipe.value_kind != "model" or (path := value_model_path(recipe)) == recipe.policy.path:
         return
     if load_tokenizer(path, trust_remote_code=recipe.policy.trust_remote_code).get_vocab() != policy_tokenizer.get_vocab():
         raise ModelReferenceError(
