@@ -502,6 +502,10 @@ def scaling_table(results: list[dict], shape: str, tag: str) -> None:
         print()
 
 
+def _se(values: list[float]) -> str:
+    return f" ± {statistics.stdev(values) / len(values) ** 0.5:.2f}" if len(values) > 1 else ""
+
+
 def cmd_report(args) -> None:
     print(f"machine: {machine()}\n")
     for shape in ("tiny", "0.5b"):
@@ -528,6 +532,7 @@ def cmd_report(args) -> None:
         n = min(len(r["scores"]) for r in curves)
         size = max(1, n // 8)
         blocks = [(i, min(n, i + size)) for i in range(0, n, size)]
+        # "± x": the standard error over seeds (of each seed's mean over the run, or over the last 10)
         print("| mode | impl | seeds | " + " | ".join(f"{a + 1}-{b}" for a, b in blocks) + " | all | last 10 | worst seed, last 10 |")
         print("|---|---|---|" + "---|" * (len(blocks) + 3))
         for lora, lr in sorted({(k[2], k[3]) for k in latest}, reverse=True):
@@ -535,11 +540,14 @@ def cmd_report(args) -> None:
                                      key=lambda x: (x[0] != "trl", x[1] or "")):
                 sel = [r for k, r in latest.items() if k[:4] == (impl, kind, lora, lr)]
                 mean = [statistics.fmean(r["scores"][i] for r in sel) for i in range(n)]
-                worst = min(statistics.fmean(r["scores"][n - 10:n]) for r in sel)
+                per_seed_all = [statistics.fmean(r["scores"][:n]) for r in sel]
+                per_seed_last = [statistics.fmean(r["scores"][n - 10:n]) for r in sel]
+                worst = min(per_seed_last)
                 label = "TRL 1.12.0 (value model = reward model copy)" if impl == "trl" else f"ppo_cli, value {kind}"
                 cells = [f"{statistics.fmean(mean[a:b]):+.2f}" for a, b in blocks]
                 print(f"| {'LoRA' if lora else 'full'} (lr {lr:g}) | {label} | {len(sel)} | " + " | ".join(cells)
-                      + f" | {statistics.fmean(mean):+.2f} | {statistics.fmean(mean[-10:]):+.2f} | {worst:+.2f} |")
+                      + f" | {statistics.fmean(mean):+.2f}{_se(per_seed_all)} | {statistics.fmean(mean[-10:]):+.2f}{_se(per_seed_last)}"
+                      f" | {worst:+.2f} |")
         print()
     for shape in ("tiny", "0.5b"):
         for path in sorted(RESULTS.glob(f"scaling-{shape}*.jsonl")):
