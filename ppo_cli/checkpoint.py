@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.runs import apply_default_modes
 
 MANIFEST = "manifest.json"
 INFO = "ppo_cli.json"
@@ -73,6 +74,7 @@ def atomic_directory(target: Path, manifest_info: dict):
     try:
         yield tmp
         write_manifest(tmp, manifest_info)
+        apply_default_modes(tmp)  # mkdtemp's 0700 (and any library's private files) would hide the run
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

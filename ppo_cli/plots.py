@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import yaml
 
 from ppo_cli.errors import PpoError, UsageError
 from ppo_cli.recipe import MonitorConfig
-from ppo_cli.runs import RunDir
+from ppo_cli.runs import RunDir, temp_file_beside
 
 PLOT_NAME = "learning_curves.png"
 MATPLOTLIB_HINT = "pip install 'ppo_cli[plot]'   (or: pip install matplotlib)"
@@ -169,7 +168,7 @@ def plot_run(run_dir: str | Path) -> Path:
 
     out = run.plots / PLOT_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    fd, tmp = temp_file_beside(out)
     os.close(fd)
     try:
         figure.savefig(tmp, format="png")

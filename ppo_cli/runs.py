@@ -29,10 +29,39 @@ RUN_FILES = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval
 RUN_DIRS = ("checkpoints", "final", "plots", "tensorboard", "trackers")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode open() or mkdir() would give a new file or directory under the current umask.
+    mkstemp and mkdtemp create theirs private (0600, 0700), which would hide runs from colleagues."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def apply_default_modes(root: Path) -> None:
+    """Give ``root`` and everything under it the umask's default modes (our outputs are never executable)."""
+    file_mode, dir_mode = default_mode(), default_mode(directory=True)
+    os.chmod(root, dir_mode if root.is_dir() else file_mode)
+    if root.is_dir():
+        for path in root.rglob("*"):
+            if not path.is_symlink():
+                os.chmod(path, dir_mode if path.is_dir() else file_mode)
+
+
+def temp_file_beside(path: Path) -> tuple[int, str]:
+    """A temporary file beside ``path`` with the mode a plain open() would give it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, default_mode())
+    return fd, tmp
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file in the same directory, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_file_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -87,6 +116,10 @@ def check_run_dir(run: RunDir, overwrite: bool) -> None:
     for parent in [run.path, *run.path.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"output path exists and is not a directory: {parent}", hint="set output_dir to a directory")
+    existing = next((p for p in (run.path, *run.path.parents) if p.exists()), Path("."))
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"cannot write to the output directory {run.path}: {existing} is not writable",
+                         hint="set output_dir to a directory you can write to")
     if run.is_run() and not overwrite:
         raise UsageError(
             f"run directory already holds a run: {run.path}",
@@ -111,6 +144,19 @@ def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
     except OSError as err:
         raise UsageError(f"cannot write to the output directory {run.path}: {err.strerror}") from None
     return run
+
+
+def discard_unstarted_run(run: RunDir) -> None:
+    """Remove the files a run wrote before its first update finished (recipe.yaml, an empty
+    metrics.jsonl, ...), and the directory if that leaves it empty; anything else stays."""
+    for file_name in RUN_FILES:
+        (run.path / file_name).unlink(missing_ok=True)
+    for dir_name in RUN_DIRS:
+        shutil.rmtree(run.path / dir_name, ignore_errors=True)
+    try:
+        run.path.rmdir()
+    except OSError:
+        pass  # not empty: the user's own files live there too
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -151,7 +197,7 @@ class AtomicJsonlWriter:
 
     def __enter__(self) -> "AtomicJsonlWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        fd, tmp = temp_file_beside(self.path)
         self._tmp, self._file = Path(tmp), os.fdopen(fd, "w", encoding="utf-8")
         return self
 
@@ -181,6 +227,62 @@ def write_jsonl_atomic(path: Path, rows) -> int:
 
 
 # --- model references: base / aligned / run dir / checkpoint / local model / hub id -> paths ---
+
+def check_model_reference(path: str) -> None:
+    """Fail early and clearly when a model is neither a local directory nor reachable on the hub."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelReferenceError(f"model path is a file, not a model directory: {path}")
+        if not (local / "config.json").exists() and not (local / "adapter_config.json").exists():
+            raise ModelReferenceError(
+                f"{path}: no config.json here, so it is not a saved model",
+                hint="point at a directory written by save_pretrained (or a hub id)",
+            )
+        return
+    looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
+    if looks_like_path:
+        raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelReferenceError(
+            f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
+            hint="download it first (`hf download`) or point at a local directory",
+        )
+    # Without this, a machine with no network spends a minute in the hub client's retries per file.
+    unreachable = hub_unreachable()
+    if unreachable and not _in_hub_cache(path):
+        raise ModelReferenceError(
+            f"model '{path}' is not a local directory, and the hub cannot be reached ({unreachable})",
+            hint="check the spelling of a local path and the network, or download the model first (`hf download`)",
+        )
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (its host name does not resolve), or None. A proxy is trusted to
+    resolve names itself."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        return f"{host} does not resolve: {err.strerror or err}"
+    return None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Downloaded before: transformers loads it from the cache without the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an invalid repo id, or no huggingface_hub: not cached
+        return False
+
+
 
 MODEL_ALIASES = ("base", "aligned")
 MODEL_REFERENCE_HINT = (

@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
+from ppo_cli.errors import EXIT_RUNTIME, EXIT_USAGE
 from tests.conftest import ROOT, tiny_overrides
 
 runner = CliRunner()
@@ -46,8 +47,18 @@ class Env:
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         return str(path)
 
-    def fake_run(self, corrupt: bool = False, manifest: bool = True) -> Path:
-        """runs/tiny-sentiment with its recipe.yaml and one checkpoint (tiny files, not real weights)."""
+    def corrupt_model(self, name: str) -> str:
+        """A copy of a tiny model whose weights file is cut short: found by every check, fails to load."""
+        target = self.tmp / f"corrupt-{name}"
+        shutil.copytree(self.models / name, target)
+        weights = target / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        return str(target)
+
+    def fake_run(self, corrupt: bool = False, manifest: bool = True, checkpoints: bool = True,
+                 final_step: int | None = None) -> Path:
+        """runs/tiny-sentiment with its recipe.yaml and one checkpoint (tiny files, not real weights),
+        and with ``final_step`` a final/ that says how many updates the run finished."""
         from ppo_cli.checkpoint import write_manifest
         from ppo_cli.recipe import dump_resolved, load_recipe
 
@@ -57,6 +68,12 @@ class Env:
         checkpoint.mkdir(parents=True)
         (run / "recipe.yaml").write_text(dump_resolved(load_recipe(recipe_path)))
         (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        if final_step is not None:
+            (run / "final").mkdir()
+            (run / "final" / "ppo_cli.json").write_text(json.dumps({"step": final_step}))
+        if not checkpoints:
+            checkpoint.rmdir()
+            return run
         (checkpoint / "trainer_state.json").write_text('{"step": 1}')
         (checkpoint / "value_head.safetensors").write_bytes(b"weights")
         if manifest:
@@ -123,6 +140,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("policy-path-is-file", lambda e: ["train", e.recipe(_edit("policy.path", e.file("model.bin", "x")))], "is a file"),
     ("policy-dir-without-config", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp)))], "no config.json"),
     ("policy-hub-id-offline", lambda e: ["train", e.recipe(_edit("policy.path", "Qwen/Qwen2.5-1.5B"))], "hub is offline"),
+    ("policy-weights-corrupt", lambda e: ["train", e.recipe(_edit("policy.path", e.corrupt_model("policy")))], "cannot load"),
     ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "model directory not found"),
     ("reward-labels-unknown", lambda e: ["train", e.recipe(_edit("reward.components.0.labels", {"happy": 1.0}))], "has no label(s) happy"),
     # --- reward functions ---
@@ -134,15 +152,21 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     # --- output directories and checkpoints ---
     ("run-exists-without-overwrite", lambda e: (e.fake_run(), ["train", e.recipe()])[1], "already holds a run"),
     ("output-dir-is-a-file", lambda e: ["train", e.recipe(_edit("output_dir", e.file("runs-file", "x")))], "runs-file"),
-    ("resume-without-checkpoints", lambda e: ["train", e.recipe(), "--resume", "latest"], "no complete checkpoint"),
+    ("resume-without-a-run", lambda e: ["train", e.recipe(), "--resume", "latest"], "no run to resume at"),
+    ("resume-without-checkpoints", lambda e: (e.fake_run(checkpoints=False), ["train", e.recipe(), "--resume", "latest"])[1], "no complete checkpoint"),
+    ("resume-a-complete-run", lambda e: (e.fake_run(final_step=30), ["train", e.recipe(), "--resume", "latest"])[1], "is already complete (30/30 updates)"),
     ("resume-corrupted-checkpoint", lambda e: (e.fake_run(corrupt=True), ["train", e.recipe(), "--resume", "latest"])[1], "does not match its manifest"),
     ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
     ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
-    ("resume-missing-path", lambda e: ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")], "checkpoint not found"),
+    ("resume-missing-path", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")])[1], "checkpoint not found"),
     ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.1 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
 ]
+
+
+# Damaged files found while running exit 1 (errors.py); everything else is bad input and exits 2.
+RUNTIME_FAILURES = {"policy-weights-corrupt", "resume-corrupted-checkpoint", "resume-incomplete-checkpoint", "resume-without-checkpoints"}
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -162,7 +186,7 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expect
     before = _snapshot(tmp_path)
     result = runner.invoke(app, args)
     output = result.output
-    assert result.exit_code != 0, output
+    assert result.exit_code == (EXIT_RUNTIME if case_id in RUNTIME_FAILURES else EXIT_USAGE), output
     assert "Traceback" not in output
     error_lines = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1, output
@@ -173,3 +197,5 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expect
     assert not [name for name in after if any(marker in name for marker in TEMP_MARKERS)], after
     changed = [name for name in before if after.get(name) != before[name]]
     assert not changed, f"files changed or lost: {changed}"
+    created = sorted(set(after) - set(before))
+    assert not created, f"a failed command left files behind: {created}"

@@ -162,3 +162,54 @@ def test_check_output_path_rejects_a_directory(tmp_path: Path):
     with pytest.raises(UsageError, match=r"is a directory$"):
         check_output_path(tmp_path)
     assert check_output_path(tmp_path / "new" / "out.jsonl") == tmp_path / "new" / "out.jsonl"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_outputs_get_the_mode_the_umask_gives(tmp_path: Path, umask: int):
+    """mkstemp/mkdtemp make private files; outputs must look like any file the user writes."""
+    from ppo_cli.checkpoint import atomic_directory
+    from ppo_cli.runs import atomic_write_text
+
+    previous = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "summary.json", "{}")
+        write_jsonl_atomic(tmp_path / "rows.jsonl", [{"a": 1}])
+        with atomic_directory(tmp_path / "final", {"kind": "final"}) as tmp:
+            (tmp / "weights.bin").write_bytes(b"x")
+            os.chmod(tmp / "weights.bin", 0o600)  # as some libraries write theirs
+            (tmp / "sub").mkdir()
+    finally:
+        os.umask(previous)
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    for name in ("summary.json", "rows.jsonl", "final/weights.bin", "final/manifest.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == file_mode, name
+    for name in ("final", "final/sub"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == dir_mode, name
+
+
+def test_a_hub_id_on_a_machine_without_network_fails_at_once(tmp_path: Path, monkeypatch):
+    """Not local, hub not offline, but its host does not resolve: one line before any retry loop,
+    unless the model is in the hub cache (transformers then loads it without the network)."""
+    import socket
+
+    from ppo_cli.runs import check_model_reference
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_dns(host, *args, **kwargs):
+        assert host == "huggingface.co"
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(ModelReferenceError) as err:
+        check_model_reference("mymodel")
+    assert err.value.message == ("model 'mymodel' is not a local directory, and the hub cannot be reached "
+                                 "(huggingface.co does not resolve: Name or service not known)")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
+    check_model_reference("mymodel")  # cached: allowed
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: None)
+    check_model_reference("mymodel")  # a proxy resolves names itself: not judged here

@@ -47,7 +47,7 @@ def peak_memory_gb() -> float:
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
     from ppo_cli.engine.data import read_prompts
-    from ppo_cli.engine.models import check_model_reference
+    from ppo_cli.runs import check_model_reference
     from ppo_cli.engine.rewards import load_reward_function
 
     prompts = read_prompts(recipe.data.prompts, recipe.data.field).prompts
@@ -93,6 +93,10 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
     from ppo_cli.runs import RunDir
 
     run = RunDir(recipe.run_dir)
+    if not run.is_run():
+        raise UsageError(f"no run to resume at {run.path}",
+                         hint="drop --resume to start it, or set name and output_dir to those of the run to continue")
+    _check_not_complete(run, recipe.train.total_updates)
     if resume == "latest" or Path(resume).resolve() == run.path.resolve():
         checkpoint = latest_checkpoint(run.checkpoints)
         if checkpoint is None:
@@ -103,7 +107,7 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
     else:
         checkpoint = Path(resume)
         if not checkpoint.is_dir():
-            raise CheckpointError(f"checkpoint not found: {resume}", hint=f"give a directory under {run.checkpoints}")
+            raise UsageError(f"checkpoint not found: {resume}", hint=f"give a directory under {run.checkpoints}")
         if checkpoint.resolve().parent != run.checkpoints.resolve():
             raise UsageError(f"{resume} is not a checkpoint of run {run.path}",
                              hint="resume with the recipe (name, output_dir) of the run it belongs to")
@@ -117,6 +121,21 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
             hint="resume with the same recipe, or pass --force to accept the differences",
         )
     return checkpoint
+
+
+def _check_not_complete(run, total_updates: int) -> None:
+    """A run whose final/ already holds update ``total_updates`` has nothing left to resume."""
+    info = run.final / "ppo_cli.json"
+    try:
+        done = int(json.loads(info.read_text(encoding="utf-8"))["step"]) if info.exists() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        done = None
+    if done is not None and done >= total_updates:
+        raise UsageError(
+            f"run {run.path} is already complete ({done}/{total_updates} updates)",
+            hint=f"raise train.total_updates to train further (--set train.total_updates={done * 2}), "
+                 "or start a new run with --overwrite or another name",
+        )
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -214,7 +233,8 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
                 stopping = state.dist.any(stop.requested)  # every process stops after the same update
                 due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
                 # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
-                if due and not last and state.consecutive_skips == 0:
+                # The last update is checkpointed too when due, so raising total_updates resumes after it.
+                if due and state.consecutive_skips == 0:
                     save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
                 if stopping and not last:
                     raise Interrupted(
@@ -229,13 +249,13 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
 
 
 def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
-    """Check on every process, then create (main process) the run directory and its recipe.yaml."""
-    from ppo_cli.runs import RunDir, atomic_write_text, check_run_dir, prepare_run_dir
+    """Create (main process) the run directory and its recipe.yaml, once the models have loaded: a
+    run that fails to load leaves nothing behind (check_run_dir ran before loading)."""
+    from ppo_cli.runs import RunDir, atomic_write_text, prepare_run_dir
 
     run_dir = RunDir(recipe.run_dir)
     if resuming:
         return run_dir
-    check_run_dir(run_dir, overwrite)
     dist.wait()  # nobody may see the directory the main process is about to create as "existing"
     if dist.is_main:
         prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
@@ -295,8 +315,12 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         resume: str | None = None, force: bool = False) -> TrainResult:
     if resume is not None and overwrite:
         raise UsageError("--resume and --overwrite cannot be used together", hint="--resume continues a run; --overwrite replaces it")
+    from ppo_cli.runs import RunDir, check_run_dir, discard_unstarted_run
+
     prompts, eval_prompts = preflight(recipe)
     checkpoint = find_resume_checkpoint(recipe, resume, force) if resume is not None else None
+    if checkpoint is None:
+        check_run_dir(RunDir(recipe.run_dir), overwrite)  # reads only; the directory is made after loading
 
     import numpy as np
     import torch
@@ -308,7 +332,6 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.trainer import init_state
 
     dist = Distributed(recipe.train.device)
-    run_dir = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -318,16 +341,21 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
     engine = load_engine(recipe, dist.device)
     state = init_state(engine, prompts, dist)
+    run_dir = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
         load_checkpoint(state, checkpoint)
         if dist.is_main:
             _truncate_jsonl(run_dir.metrics, state.step)
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
-    before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
-
-    with StopOnSignal() as stop:
-        observer = _train_loop(state, run_dir, stop, recipe_path)
+    try:
+        before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
+        with StopOnSignal() as stop:
+            observer = _train_loop(state, run_dir, stop, recipe_path)
+    except BaseException:
+        if checkpoint is None and state.step == 0 and dist.is_main:
+            discard_unstarted_run(run_dir)  # no update finished: leave no run behind to block or mislead
+        raise
 
     summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer) if dist.is_main else {}
     dist.wait()

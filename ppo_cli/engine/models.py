@@ -9,14 +9,13 @@ model. Frozen models can be 4-bit/8-bit through bitsandbytes.
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ppo_cli.errors import ModelLoadError, ModelReferenceError
 from ppo_cli.recipe import LoraConfig, Recipe
+from ppo_cli.runs import check_model_reference
 
 POLICY_ADAPTER = "policy"
 VALUE_ADAPTER = "value"
@@ -37,28 +36,6 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
         bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16_ok else torch.float32
     return _DTYPES[name]
-
-
-def check_model_reference(path: str) -> None:
-    """Fail early and clearly when a model is neither a local directory nor reachable on the hub."""
-    local = Path(path).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise ModelReferenceError(f"model path is a file, not a model directory: {path}")
-        if not (local / "config.json").exists() and not (local / "adapter_config.json").exists():
-            raise ModelReferenceError(
-                f"{path}: no config.json here, so it is not a saved model",
-                hint="point at a directory written by save_pretrained (or a hub id)",
-            )
-        return
-    looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
-    if looks_like_path:
-        raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ModelReferenceError(
-            f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
-            hint="download it first (`hf download`) or point at a local directory",
-        )
 
 
 def _quantization_config(quantization: str, compute_dtype: torch.dtype):
@@ -100,11 +77,16 @@ def load_pretrained(
     load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, use_safetensors=True, **kwargs)
     if quant_config is not None:
         load_kwargs.update(quantization_config=quant_config, device_map={"": device})
+    from safetensors import SafetensorError
+
     try:
         model = auto_class.from_pretrained(path, **load_kwargs)
+    except SafetensorError as err:
+        raise ModelLoadError(f"cannot load model '{path}': its safetensors weights are damaged ({err})",
+                             hint="copy or download the model again; an interrupted copy leaves a file cut short") from err
     except (OSError, ValueError, RuntimeError, ImportError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"cannot load model '{path}': {first_line}") from err
+        raise ModelLoadError(f"cannot load model '{path}': {first_line}", hint=_hub_hint(path)) from err
     if quant_config is None:
         model.to(device)
     disable_dropout(model)
@@ -129,6 +111,17 @@ def is_quantized(model: nn.Module) -> bool:
     return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
 
 
+def _hub_hint(path: str) -> str | None:
+    """A name that is not a local directory was read as a hub id; say so, since a typo'd local path
+    ('mymodel') fails the same way as an unreachable hub."""
+    from pathlib import Path
+
+    if Path(path).expanduser().exists():
+        return None
+    return (f"'{path}' is not a directory under {Path.cwd()}, so it was read as a hub id: check the spelling "
+            "and the network, or set HF_HUB_OFFLINE=1 to use local models only")
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     from transformers import AutoTokenizer
 
@@ -136,7 +129,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load tokenizer from '{path}': {str(err).splitlines()[0]}") from err
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line}", hint=_hub_hint(path)) from err
     if tokenizer.pad_token_id is None:
         # Masks come from positions, never from comparing ids with pad, so EOS as pad is safe here.
         tokenizer.pad_token = tokenizer.eos_token

@@ -94,6 +94,27 @@ def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_pat
     _assert_same_metrics(_metrics(run), uninterrupted)
 
 
+def test_a_finished_run_says_so_on_resume_and_extends_exactly(tiny_models, tmp_path, uninterrupted):
+    """--resume on a finished run changes nothing; with more total_updates it continues after the last
+    update (checkpointed too) and matches a run that was given the larger number from the start."""
+    run = tmp_path / "tiny-sentiment"
+    first = subprocess.run(_cmd(tiny_models, tmp_path, **{"train.total_updates": 4}), env=_env(), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert (run / "checkpoints" / "step-000004" / "manifest.json").exists()
+    final_before = (run / "final" / "ppo_cli.json").read_bytes()
+
+    again = subprocess.run(_cmd(tiny_models, tmp_path, "--resume", **{"train.total_updates": 4}),
+                           env=_env(), capture_output=True, text=True)
+    assert again.returncode == 2
+    assert again.stderr.splitlines()[0] == f"error: run {run} is already complete (4/4 updates)"
+    assert (run / "final" / "ppo_cli.json").read_bytes() == final_before and len(_metrics(run)) == 4
+
+    extended = subprocess.run(_cmd(tiny_models, tmp_path, "--resume"), env=_env(), capture_output=True, text=True)
+    assert extended.returncode == 0, extended.stderr
+    assert "step-000004 at update 4" in extended.stdout
+    _assert_same_metrics(_metrics(run), uninterrupted)
+
+
 def test_nan_rewards_are_skipped_then_the_run_stops_with_a_diagnostic(tiny_models, tmp_path):
     reward = tmp_path / "nan_after_three.py"
     reward.write_text(
