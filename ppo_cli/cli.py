@@ -89,6 +89,9 @@ def validate(
     recipe: RecipeArg,
     overrides: OverridesOpt = None,
     all_errors: Annotated[bool, typer.Option("--all-errors", help="List every error, not only the first.")] = False,
+    check_files: Annotated[bool, typer.Option(
+        "--check-files/--no-check-files",
+        help="Also check the files the recipe names (prompts, model paths, reward function files), as train does.")] = True,
 ) -> None:
     """Check a recipe; print it with every default filled in, and the sizes derived from it."""
     from ppo_cli.commands.validate import run
@@ -102,7 +105,7 @@ def validate(
         for problem in err.problems:
             print_error(str(problem), problem.hint)
         raise typer.Exit(err.exit_code) from None
-    result = run(resolved)
+    result = run(resolved, check_files=check_files)
     print_yaml(result.resolved_yaml)
     _stderr().print(result.summary)
 
@@ -177,7 +180,12 @@ def plan(
     from ppo_cli.commands.plan import render, run as run_plan  # imports torch: only after the recipe is valid
     from ppo_cli.report import console
 
-    console.print(render(run_plan(resolved, gpu_memory)))
+    result = run_plan(resolved, gpu_memory)
+    console.print(render(result))
+    if result.budget_gb is not None and not result.fits:
+        from ppo_cli.errors import EXIT_DOES_NOT_FIT
+
+        raise typer.Exit(EXIT_DOES_NOT_FIT)  # so that scripts can act on the verdict
 
 
 # --- rollout / score / eval / compare: models on prompts, composed through JSONL files ----------
@@ -250,6 +258,8 @@ def score(
     from ppo_cli.runs import check_output_path
 
     out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
+    if recipe is None and run is None:
+        recipe = _recipe_of_rollouts(rollouts)
     resolved, _ = _recipe_and_models([], run, recipe, overrides)
     from ppo_cli import report
     from ppo_cli.commands.score import run as run_score
@@ -303,6 +313,22 @@ def compare(
         result = run_compare(resolved, *models, prompt_list, _sampling(resolved, num_samples, batch_size),
                              prompts_source=source, out_dir=out, progress=advance)
     report.print_compare(result.a, result.b, result.difference, result.pairs, [str(f) for f in result.files])
+
+
+def _recipe_of_rollouts(rollouts: Path) -> Path | None:
+    """The recipe of the run whose model wrote the rollouts (its rows' model_path), if it is one;
+    otherwise None, and the usual default (the latest run's) applies."""
+    import json
+
+    from ppo_cli.errors import PpoError
+    from ppo_cli.runs import resolve_model_reference
+
+    try:
+        with open(rollouts, encoding="utf-8") as f:
+            first = json.loads(next((line for line in f if line.strip()), "{}"))
+        return resolve_model_reference(str(first["model_path"])).recipe_path
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PpoError):
+        return None  # the file is checked, with a clear error, when it is read
 
 
 def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):

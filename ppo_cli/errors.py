@@ -11,6 +11,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
 EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference
+EXIT_DOES_NOT_FIT = 3  # `ppo plan --gpu-memory GB`: the recipe does not fit (the plan itself is fine)
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
 
 

@@ -87,7 +87,7 @@ def test_importing_the_cli_does_not_import_torch():
 
 
 def test_validate_prints_the_resolved_recipe_and_the_summary():
-    result = invoke("validate", MINIMAL)
+    result = invoke("validate", MINIMAL, "--no-check-files")  # the fixture names files that do not exist
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout) == yaml.safe_load(dump_resolved(load_recipe(MINIMAL)))
     assert result.stderr.strip() == SUMMARY
@@ -95,12 +95,34 @@ def test_validate_prints_the_resolved_recipe_and_the_summary():
 
 
 def test_validate_applies_set_overrides():
-    result = invoke("validate", MINIMAL, "--set", "ppo.kl_coef=0.2", "--set", "policy.lora=null")
+    result = invoke("validate", MINIMAL, "--no-check-files", "--set", "ppo.kl_coef=0.2", "--set", "policy.lora=null")
     assert result.exit_code == 0, result.output
     resolved = yaml.safe_load(result.stdout)
     assert resolved["ppo"]["kl_coef"] == 0.2
     assert resolved["policy"]["lora"] is None
     assert "value kind=model" in result.stderr
+
+
+def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "prompts.txt").write_text("\n  \n")
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines()[0] == "error: prompts.txt: no prompts in this file"
+    (tmp_path / "prompts.txt").write_text("The movie was\n")
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines()[0] == (
+        "error: model 'tiny/policy' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)"), result.output
+    (tmp_path / "tiny" / "policy").mkdir(parents=True)
+    (tmp_path / "tiny" / "policy" / "config.json").write_text("{}")
+    result = invoke("validate", MINIMAL)
+    assert result.stderr.splitlines()[0] == "error: reward function file not found: rewards.py", result.output
+    (tmp_path / "rewards.py").write_text("raise SystemExit('imported')\n")  # validate must not run it
+    result = invoke("validate", MINIMAL)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == SUMMARY
 
 
 def test_validate_bad_recipe_is_one_error_line_and_a_hint(bad_recipe):

@@ -143,6 +143,29 @@ def test_score_adds_reward_components_and_is_repeatable(ws: Workspace, tmp_path:
         assert row["reward"] == pytest.approx(parts["classifier:reward"] + parts["missing_eos_penalty"], abs=1e-9)
 
 
+def test_score_without_a_recipe_uses_the_run_that_wrote_the_rollouts(ws: Workspace, tmp_path: Path, monkeypatch):
+    """Not the latest run's: a newer run with another reward must not rescore older rollouts."""
+    import os
+    import shutil
+    import time
+
+    shutil.copytree(ws.run, tmp_path / "runs" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    rollouts = tmp_path / "rollouts.jsonl"
+    ok("rollout", "runs/tiny/final", "--prompts", ws.prompts, "--out", rollouts, "--max-new-tokens", 4)
+    newer = tmp_path / "runs" / "newer"
+    newer.mkdir()
+    recipe = (ws.run / "recipe.yaml").read_text()
+    assert "missing_eos_penalty: 10.0" in recipe
+    (newer / "recipe.yaml").write_text(recipe.replace("missing_eos_penalty: 10.0", "missing_eos_penalty: 3.0"))
+    later = time.time() + 100
+    os.utime(newer / "recipe.yaml", (later, later))
+    result = ok("score", rollouts, "--out", tmp_path / "scored.jsonl")
+    assert "recipe: runs/tiny/recipe.yaml" in result.stderr
+    penalties = {row["reward_components"]["missing_eos_penalty"] for row in read_jsonl(tmp_path / "scored.jsonl")}
+    assert penalties <= {0.0, -10.0} and -10.0 in penalties  # 4 tokens: most responses do not end
+
+
 def test_rollout_then_score_gives_the_eval_mean_reward(ws: Workspace, tmp_path: Path):
     common = ["--run", ws.run, "--prompts", ws.prompts, "--seed", 11, "--num-samples", 2]
     rollouts, scored, summary_path = tmp_path / "r.jsonl", tmp_path / "s.jsonl", tmp_path / "eval.json"

@@ -19,6 +19,7 @@ from ppo_cli.commands.plan import (
     estimate,
     suggestions,
 )
+from ppo_cli.errors import EXIT_DOES_NOT_FIT
 from ppo_cli.recipe import LoraConfig
 from tests.conftest import ROOT, tiny_overrides
 
@@ -190,6 +191,6 @@ def test_plan_command_on_the_tiny_recipe(tiny_models, tmp_path):
     for item in tiny_overrides(tiny_models, tmp_path, **{"policy.lora": "null", "value.kind": "auto"}):
         args += ["--set", item]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == EXIT_DOES_NOT_FIT, result.output
     assert "does NOT fit" in result.output and "policy.lora" in result.output
     assert not any(tmp_path.iterdir())  # nothing loaded, nothing written

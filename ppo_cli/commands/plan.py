@@ -109,7 +109,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from ppo_cli.engine.models import check_model_reference
+    from ppo_cli.runs import check_model_reference
     from ppo_cli.errors import ModelLoadError
 
     check_model_reference(path)
@@ -521,7 +521,7 @@ def render(result: PlanResult):
     if result.suggestions:
         fixes = Table(title="changes that would help", title_justify="left")
         for column in ("change", "--set", "total GB", "fits"):
-            fixes.add_column(column)
+            fixes.add_column(column, overflow="fold")  # wrapped, never cut: the overrides are for copying
         for sug in result.suggestions:
             sets = " ".join(f"--set '{o}'" if any(c in o for c in " {}") else f"--set {o}" for o in sug.overrides)
             fixes.add_row(sug.change, sets, f"{sug.total_gb:.2f}", "yes" if sug.fits else "no")

@@ -1,4 +1,4 @@
-"""`ppo validate`: the resolved recipe and the sizes derived from it. Imports no torch."""
+"""`ppo validate`: the resolved recipe, the sizes derived from it, and the files it names. Imports no torch."""
 
 from __future__ import annotations
 
@@ -24,7 +24,32 @@ class ValidateResult:
         )
 
 
-def run(recipe: Recipe) -> ValidateResult:
+def check_recipe_files(recipe: Recipe) -> None:
+    """The files the recipe names, as `ppo train` checks them before loading anything: prompts files
+    (readable, not empty), model paths (a saved model, or a hub id), reward function files. A
+    reward function is not imported here: its module's code runs only when training asks for it."""
+    from ppo_cli.engine.data import read_prompts
+    from ppo_cli.errors import RewardFunctionError
+    from ppo_cli.runs import check_model_reference
+
+    for prompts in (recipe.data.prompts, recipe.data.eval_prompts):
+        if prompts:
+            read_prompts(prompts, recipe.data.field)
+    for path in (recipe.policy.path, recipe.reference.path, recipe.value.path):
+        if path:
+            check_model_reference(path)
+    for component in recipe.reward.components:
+        if component.type != "function":
+            check_model_reference(component.path)
+            continue
+        target = component.function.rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
+
+
+def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:
+    if check_files:
+        check_recipe_files(recipe)
     return ValidateResult(
         resolved_yaml=dump_resolved(recipe),
         run_dir=recipe.run_dir,
