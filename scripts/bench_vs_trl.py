@@ -408,17 +408,15 @@ def cmd_plan_check(args) -> None:
                 continue
             est = plan(load_recipe(recipe_path), device="cpu").estimate
             label = r.get("config_name") or f"{'LoRA' if r['cfg']['lora'] else 'full'}, value {r['cfg']['value_kind']}"
-            rows.append((r["cfg"]["shape"], label, r["cfg"]["batch"], r["cfg"]["response_length"], est.total_gb,
-                         r["peak_memory_gb"], recipe_path))
-    print("| shape | configuration | batch | response tokens | plan GB | measured peak GB | error |")
-    print("|---|---|---|---|---|---|---|")
-    seen = set()
-    for shape, label, batch, length, est, peak, recipe_path in rows:
-        key = (shape, label, batch, length)
-        if key in seen:
-            continue
-        seen.add(key)
-        print(f"| {shape} | {label} | {batch} | {length} | {est:.2f} | {peak:.2f} | {100 * (est - peak) / peak:+.0f}% |")
+            rows.append((r["time"], r["cfg"]["shape"], label, r["cfg"]["batch"], r["cfg"]["response_length"],
+                         est.total_gb, r["peak_memory_gb"]))
+    print("| shape | configuration | batch | response tokens | plan GB | measured peak GB | measured | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    latest = {}  # the latest measurement per configuration: the code measured is the code planned
+    for row in sorted(rows):
+        latest[row[1:5]] = row
+    for when, shape, label, batch, length, est, peak in latest.values():
+        print(f"| {shape} | {label} | {batch} | {length} | {est:.2f} | {peak:.2f} | {when[11:16]} | {100 * (est - peak) / peak:+.0f}% |")
 
 
 # --- report --------------------------------------------------------------------------------------
