@@ -96,8 +96,8 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
     if not run.is_run():
         raise UsageError(f"no run to resume at {run.path}",
                          hint="drop --resume to start it, or set name and output_dir to those of the run to continue")
-    _check_not_complete(run, recipe.train.total_updates)
     if resume == "latest" or Path(resume).resolve() == run.path.resolve():
+        _check_not_complete(run, recipe.train.total_updates)  # a checkpoint named explicitly may redo updates
         checkpoint = latest_checkpoint(run.checkpoints)
         if checkpoint is None:
             raise CheckpointError(

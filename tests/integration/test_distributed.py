@@ -57,7 +57,7 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # one line per update, not one per process
     assert metrics[-1]["episode"] == 4 * 4 * 2  # updates x rollout_batch_size x processes
     assert (run / "final" / "adapter_model.safetensors").exists()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
 
 
 def test_each_process_sees_different_prompts_in_every_update(two_process_run):
