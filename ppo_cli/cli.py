@@ -325,10 +325,16 @@ def _recipe_of_rollouts(rollouts: Path) -> Path | None:
 
     try:
         with open(rollouts, encoding="utf-8") as f:
-            first = json.loads(next((line for line in f if line.strip()), "{}"))
-        return resolve_model_reference(str(first["model_path"])).recipe_path
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, PpoError):
+            model_path = str(json.loads(next((line for line in f if line.strip()), "{}"))["model_path"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None  # the file is checked, with a clear error, when it is read
+    try:
+        return resolve_model_reference(model_path).recipe_path
+    except PpoError:
+        from ppo_cli import report
+
+        report.note(f"the rollouts' model {model_path} is not found from here, so its run's recipe is not used")
+        return None
 
 
 def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
 EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference
-EXIT_DOES_NOT_FIT = 3  # `ppo plan --gpu-memory GB`: the recipe does not fit (the plan itself is fine)
+EXIT_DOES_NOT_FIT = 3  # `ppo plan`: the recipe does not fit the memory budget (--gpu-memory or the local GPU)
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
 
 
@@ -55,6 +55,10 @@ class CheckpointError(PpoError):
 
 class RewardFunctionError(UsageError):
     """A Python reward function cannot be imported or has the wrong signature."""
+
+
+class RewardFunctionFailed(PpoError):
+    """A Python reward function raised while scoring (the user's code, not ours: no bug report)."""
 
 
 class TrainingError(PpoError):

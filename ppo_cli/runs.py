@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -30,7 +31,16 @@ RUN_DIRS = ("checkpoints", "final", "plots", "tensorboard", "trackers")
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read without changing it where Linux allows (a swap would let a file
+    another thread creates meanwhile come out world-writable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # private, should anything be created in between
     os.umask(mask)
     return mask
 
@@ -54,7 +64,7 @@ def apply_default_modes(root: Path) -> None:
 def temp_file_beside(path: Path) -> tuple[int, str]:
     """A temporary file beside ``path`` with the mode a plain open() would give it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, default_mode())
+    os.chmod(tmp, default_mode())  # os.fchmod is not on Windows before Python 3.13
     return fd, tmp
 
 
@@ -127,7 +137,16 @@ def check_run_dir(run: RunDir, overwrite: bool) -> None:
         )
 
 
-def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
+@dataclass(frozen=True)
+class RunFootprint:
+    """What was there before a new run wrote anything: so that a run failing before its first
+    update can take back exactly what it made, and nothing of the user's."""
+
+    kept: frozenset[str]  # run file and directory names already present (not the run's to delete)
+    created_root: Path | None  # the topmost directory prepare_run_dir created, if any
+
+
+def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> tuple[RunDir, RunFootprint]:
     """Create runs/<name>; an existing run is only replaced with overwrite (and only its own files)."""
     run = RunDir(Path(output_dir) / name)
     check_run_dir(run, overwrite)
@@ -136,6 +155,7 @@ def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
             (run.path / file_name).unlink(missing_ok=True)
         for dir_name in RUN_DIRS:
             shutil.rmtree(run.path / dir_name, ignore_errors=True)
+    missing = [p for p in (run.path, *run.path.parents) if not p.exists()]
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         probe = run.path / ".write-test"
@@ -143,20 +163,29 @@ def prepare_run_dir(output_dir: str, name: str, overwrite: bool) -> RunDir:
         probe.unlink()
     except OSError as err:
         raise UsageError(f"cannot write to the output directory {run.path}: {err.strerror}") from None
-    return run
+    kept = frozenset(n for n in RUN_FILES + RUN_DIRS if (run.path / n).exists())
+    return run, RunFootprint(kept, missing[-1] if missing else None)
 
 
-def discard_unstarted_run(run: RunDir) -> None:
-    """Remove the files a run wrote before its first update finished (recipe.yaml, an empty
-    metrics.jsonl, ...), and the directory if that leaves it empty; anything else stays."""
-    for file_name in RUN_FILES:
-        (run.path / file_name).unlink(missing_ok=True)
-    for dir_name in RUN_DIRS:
-        shutil.rmtree(run.path / dir_name, ignore_errors=True)
-    try:
-        run.path.rmdir()
-    except OSError:
-        pass  # not empty: the user's own files live there too
+def discard_unstarted_run(run: RunDir, footprint: RunFootprint) -> None:
+    """Take back what a run made before its first update finished (recipe.yaml, an empty
+    metrics.jsonl, the directories it created), never what was there before. Best effort: a
+    failure here must not hide the error that stopped the run."""
+    for name in RUN_FILES + RUN_DIRS:
+        path = run.path / name
+        if name in footprint.kept or not path.exists():
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    with contextlib.suppress(OSError):
+        if footprint.created_root is not None:
+            for directory in (run.path, *run.path.parents):
+                directory.rmdir()  # stops (OSError) at the first one holding anything else
+                if directory == footprint.created_root:
+                    break
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -243,7 +272,9 @@ def check_model_reference(path: str) -> None:
     looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
     if looks_like_path:
         raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    if hub_offline():
+        if _in_hub_cache(path):
+            return  # downloaded before: transformers loads it from the cache
         raise ModelReferenceError(
             f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
             hint="download it first (`hf download`) or point at a local directory",
@@ -255,6 +286,11 @@ def check_model_reference(path: str) -> None:
             f"model '{path}' is not a local directory, and the hub cannot be reached ({unreachable})",
             hint="check the spelling of a local path and the network, or download the model first (`hf download`)",
         )
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (1, true, yes or on)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def hub_unreachable() -> str | None:
@@ -278,7 +314,7 @@ def _in_hub_cache(repo_id: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+        return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in ("config.json", "adapter_config.json"))
     except Exception:  # an invalid repo id, or no huggingface_hub: not cached
         return False
 
@@ -447,7 +483,7 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
     if close or not _HUB_ID.match(ref):
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ModelReferenceError(f"unknown model reference '{ref}'", hint=hint + MODEL_REFERENCE_HINT)
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    if hub_offline() and not _in_hub_cache(ref):
         raise ModelReferenceError(
             f"unknown model reference '{ref}': not base/aligned, not a directory, and the hub is offline (HF_HUB_OFFLINE=1)",
             hint=MODEL_REFERENCE_HINT,

@@ -170,7 +170,9 @@ RUNTIME_FAILURES = {"policy-weights-corrupt", "resume-corrupted-checkpoint", "re
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    """Every file's hash and every directory (as "dir"), by path under ``root``."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in root.rglob("*")}
 
 
 def test_there_are_at_least_30_distinct_bad_inputs():
@@ -199,3 +201,26 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expect
     assert not changed, f"files changed or lost: {changed}"
     created = sorted(set(after) - set(before))
     assert not created, f"a failed command left files behind: {created}"
+
+
+RAISES_IN_UPDATE_1 = "def reward(prompts, responses):\n    raise ValueError('broken reward')\n"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-output-dir", "folder-with-user-files"])
+def test_a_run_failing_in_its_first_update_takes_back_only_what_it_wrote(existing, tiny_models, tmp_path, monkeypatch):
+    """Nothing half-started blocks the next run or becomes 'the latest run'; the user's files stay."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, tiny_models)
+    recipe = env.recipe(_edit("reward.components", [{"type": "function", "function": f"{env.file('fn.py', RAISES_IN_UPDATE_1)}:reward"}]))
+    run = tmp_path / "runs" / "tiny-sentiment"
+    if existing:  # the run's own directory names, holding the user's files, but no run
+        for name in ("plots/keep.png", "checkpoints/keep.txt", "notes.txt"):
+            (run / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / name).write_text("mine")
+    before = _snapshot(tmp_path)
+    result = runner.invoke(app, ["train", recipe])
+    assert result.exit_code == EXIT_RUNTIME, result.output
+    assert [line for line in result.output.splitlines() if line.startswith("error:")] == [
+        f"error: reward function '{tmp_path / 'fn.py'}:reward' raised ValueError: broken reward"], result.output
+    assert _snapshot(tmp_path) == before  # recipe.yaml, metrics.jsonl, runs/ itself: all gone again

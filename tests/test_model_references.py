@@ -164,7 +164,7 @@ def test_check_output_path_rejects_a_directory(tmp_path: Path):
     assert check_output_path(tmp_path / "new" / "out.jsonl") == tmp_path / "new" / "out.jsonl"
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o027])  # neither gives mkstemp's 0600 or mkdtemp's 0700
 def test_atomic_outputs_get_the_mode_the_umask_gives(tmp_path: Path, umask: int):
     """mkstemp/mkdtemp make private files; outputs must look like any file the user writes."""
     from ppo_cli.checkpoint import atomic_directory
@@ -213,3 +213,19 @@ def test_a_hub_id_on_a_machine_without_network_fails_at_once(tmp_path: Path, mon
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
     monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: None)
     check_model_reference("mymodel")  # a proxy resolves names itself: not judged here
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", "yes"])
+def test_offline_hub_refuses_only_what_is_not_cached(value, tmp_path: Path, monkeypatch):
+    from ppo_cli.runs import check_model_reference
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: None)
+    with pytest.raises(ModelReferenceError, match=r"the hub is offline"):
+        check_model_reference("Qwen/Qwen2.5-0.5B")
+    cached = {("Qwen/Qwen2.5-0.5B", "config.json"), ("someone/adapter", "adapter_config.json")}
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache",
+                        lambda repo, name: f"/cache/{repo}/{name}" if (repo, name) in cached else None)
+    check_model_reference("Qwen/Qwen2.5-0.5B")
+    check_model_reference("someone/adapter")  # an adapter repo has no config.json

@@ -250,18 +250,19 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
 
 def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
     """Create (main process) the run directory and its recipe.yaml, once the models have loaded: a
-    run that fails to load leaves nothing behind (check_run_dir ran before loading)."""
+    run that fails to load leaves nothing behind (check_run_dir ran before loading). Returns the
+    run directory and, for a new run on the main process, what was there before (RunFootprint)."""
     from ppo_cli.runs import RunDir, atomic_write_text, prepare_run_dir
 
-    run_dir = RunDir(recipe.run_dir)
+    run_dir, footprint = RunDir(recipe.run_dir), None
     if resuming:
-        return run_dir
+        return run_dir, None
     dist.wait()  # nobody may see the directory the main process is about to create as "existing"
     if dist.is_main:
-        prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
+        run_dir, footprint = prepare_run_dir(recipe.output_dir, recipe.name, overwrite)
         atomic_write_text(run_dir.recipe, dump_resolved(recipe))
     dist.wait()
-    return run_dir
+    return run_dir, footprint
 
 
 def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
@@ -341,7 +342,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
     engine = load_engine(recipe, dist.device)
     state = init_state(engine, prompts, dist)
-    run_dir = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
+    run_dir, footprint = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
         load_checkpoint(state, checkpoint)
         if dist.is_main:
@@ -353,8 +354,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
     except BaseException:
-        if checkpoint is None and state.step == 0 and dist.is_main:
-            discard_unstarted_run(run_dir)  # no update finished: leave no run behind to block or mislead
+        if footprint is not None and state.step == 0:
+            discard_unstarted_run(run_dir, footprint)  # no update finished: leave no run to block or mislead
         raise
 
     summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer) if dist.is_main else {}

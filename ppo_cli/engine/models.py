@@ -86,7 +86,8 @@ def load_pretrained(
                              hint="copy or download the model again; an interrupted copy leaves a file cut short") from err
     except (OSError, ValueError, RuntimeError, ImportError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"cannot load model '{path}': {first_line}", hint=_hub_hint(path)) from err
+        hint = _hub_hint(path) if isinstance(err, OSError) else None  # not for e.g. out of memory
+        raise ModelLoadError(f"cannot load model '{path}': {first_line}", hint=hint) from err
     if quant_config is None:
         model.to(device)
     disable_dropout(model)
@@ -116,10 +117,12 @@ def _hub_hint(path: str) -> str | None:
     ('mymodel') fails the same way as an unreachable hub."""
     from pathlib import Path
 
+    from ppo_cli.runs import hub_offline
+
     if Path(path).expanduser().exists():
         return None
-    return (f"'{path}' is not a directory under {Path.cwd()}, so it was read as a hub id: check the spelling "
-            "and the network, or set HF_HUB_OFFLINE=1 to use local models only")
+    offline = "" if hub_offline() else ", or set HF_HUB_OFFLINE=1 to use local models only"
+    return f"'{path}' is not a directory under {Path.cwd()}, so it was read as a hub id: check the spelling and the network{offline}"
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):
@@ -130,7 +133,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line}", hint=_hub_hint(path)) from err
+        hint = _hub_hint(path) if isinstance(err, OSError) else None
+        raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line}", hint=hint) from err
     if tokenizer.pad_token_id is None:
         # Masks come from positions, never from comparing ids with pad, so EOS as pad is safe here.
         tokenizer.pad_token = tokenizer.eos_token

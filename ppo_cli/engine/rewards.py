@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ppo_cli.errors import RecipeError, RewardFunctionError
+from ppo_cli.errors import RecipeError, RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
 
 
@@ -61,7 +61,13 @@ class FunctionScorer:
         self.fn = load_reward_function(component.function)
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        values = self.fn(list(prompts), list(responses))
+        try:
+            values = self.fn(list(prompts), list(responses))
+        except Exception as err:
+            raise RewardFunctionFailed(
+                f"reward function '{self.spec}' raised {type(err).__name__}: {err}",
+                hint="fix the function; run again with --debug for its traceback",
+            ) from err
         try:
             values = [float(v) for v in values]
         except (TypeError, ValueError):
