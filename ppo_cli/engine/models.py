@@ -9,13 +9,15 @@ model. Frozen models can be 4-bit/8-bit through bitsandbytes.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ppo_cli.errors import ModelLoadError, ModelReferenceError
 from ppo_cli.recipe import LoraConfig, Recipe
-from ppo_cli.runs import check_model_reference
+from ppo_cli.runs import check_model_reference, hub_offline
 
 POLICY_ADAPTER = "policy"
 VALUE_ADAPTER = "value"
@@ -77,17 +79,14 @@ def load_pretrained(
     load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, use_safetensors=True, **kwargs)
     if quant_config is not None:
         load_kwargs.update(quantization_config=quant_config, device_map={"": device})
-    from safetensors import SafetensorError
-
     try:
         model = auto_class.from_pretrained(path, **load_kwargs)
     except SafetensorError as err:
         raise ModelLoadError(f"cannot load model '{path}': its safetensors weights are damaged ({err})",
                              hint="copy or download the model again; an interrupted copy leaves a file cut short") from err
     except (OSError, ValueError, RuntimeError, ImportError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = _hub_hint(path) if isinstance(err, OSError) else None  # not for e.g. out of memory
-        raise ModelLoadError(f"cannot load model '{path}': {first_line}", hint=hint) from err
+        raise ModelLoadError(f"cannot load model '{path}': {_first_line(err)}", hint=hint) from err
     if quant_config is None:
         model.to(device)
     disable_dropout(model)
@@ -112,13 +111,14 @@ def is_quantized(model: nn.Module) -> bool:
     return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
 
 
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _hub_hint(path: str) -> str | None:
     """A name that is not a local directory was read as a hub id; say so, since a typo'd local path
     ('mymodel') fails the same way as an unreachable hub."""
-    from pathlib import Path
-
-    from ppo_cli.runs import hub_offline
-
     if Path(path).expanduser().exists():
         return None
     offline = "" if hub_offline() else ", or set HF_HUB_OFFLINE=1 to use local models only"
@@ -132,9 +132,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = _hub_hint(path) if isinstance(err, OSError) else None
-        raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line}", hint=hint) from err
+        raise ModelLoadError(f"cannot load tokenizer from '{path}': {_first_line(err)}", hint=hint) from err
     if tokenizer.pad_token_id is None:
         # Masks come from positions, never from comparing ids with pad, so EOS as pad is safe here.
         tokenizer.pad_token = tokenizer.eos_token
