@@ -451,11 +451,9 @@ class RecipeProblem:
     from_override: bool = False  # the value came from --set
 
     def __str__(self) -> str:
-        where = self.source
-        if self.from_override:
-            where += ":(--set)"
-        elif self.line is not None:
-            where += f":{self.line}"
+        if self.from_override:  # the value came from the command line, not from the file
+            return f"--set {self.key_path}: {self.message}" if self.key_path else f"--set: {self.message}"
+        where = self.source if self.line is None else f"{self.source}:{self.line}"
         return f"{where}: {self.key_path}: {self.message}" if self.key_path else f"{where}: {self.message}"
 
 

@@ -209,13 +209,13 @@ def test_quantized_policy_without_lora(tmp_path):
 def test_value_adapter_without_lora(tmp_path):
     path = variant(tmp_path, "  lora:\n    r: 4\n", "  dtype: float32\n")
     err = error(path, ["value.kind=adapter"])
-    assert err.message == f"{path}:(--set): value.kind: 'adapter' needs a LoRA policy"
+    assert err.message == "--set value.kind: 'adapter' needs a LoRA policy"
 
 
 def test_value_train_backbone_not_with_an_adapter_critic(tmp_path):
     err = error(write(tmp_path, BASE), ["value.kind=adapter", "value.train_backbone=true"])
     assert err.message.endswith(
-        ":(--set): value.train_backbone: not used with value kind 'adapter' (the value adapter is what trains)"
+        "--set value.train_backbone: not used with value kind 'adapter' (the value adapter is what trains)"
     )
     assert err.hint == "remove `value.train_backbone`, or set `value.kind: head` or `value.kind: model`"
     assert load_recipe(write(tmp_path, BASE), ["value.kind=head", "value.train_backbone=true"]).value.train_backbone
@@ -224,7 +224,7 @@ def test_value_train_backbone_not_with_an_adapter_critic(tmp_path):
 
 def test_value_init_from_reward_needs_a_reward_model(tmp_path):
     err = error(write(tmp_path, BASE), ["value.init_from=reward"])
-    assert err.message.endswith(":(--set): value.init_from: 'reward' needs a reward component of type 'model' or 'classifier' to start from")
+    assert err.message.startswith("--set value.init_from: 'reward' needs a reward component of type 'model' or 'classifier' to start from")
 
 
 def test_auto_value_kind_is_a_separate_model_when_initialised_from_the_reward_model(tmp_path):
@@ -409,7 +409,7 @@ def test_set_below_a_single_value(tmp_path):
 def test_set_value_that_does_not_validate_is_located_on_the_command_line(tmp_path):
     path = write(tmp_path, BASE)
     err = error(path, ["ppo.kl_coef=abc"])
-    assert err.message == f"{path}:(--set): ppo.kl_coef: expected a number, got 'abc'"
+    assert err.message == "--set ppo.kl_coef: expected a number, got 'abc'"
     assert err.hint.startswith("`ppo.kl_coef` takes a number")
 
 
