@@ -182,6 +182,12 @@ def plan(
 
     result = run_plan(resolved, gpu_memory)
     console.print(render(result))
+    if result.suggestions:  # one unwrapped line to copy, whatever the terminal's width
+        import shlex
+
+        best = next((sug for sug in result.suggestions if sug.fits), result.suggestions[-1])
+        argv = ["ppo", "train", str(recipe)] + [a for o in [*(overrides or ()), *best.overrides] for a in ("--set", o)]
+        console.print(f"to apply \"{best.change}\": {shlex.join(argv)}", soft_wrap=True, markup=False, highlight=False)
     if result.budget_gb is not None and not result.fits:
         from ppo_cli.errors import EXIT_DOES_NOT_FIT
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
@@ -193,4 +195,12 @@ def test_plan_command_on_the_tiny_recipe(tiny_models, tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_DOES_NOT_FIT, result.output
     assert "does NOT fit" in result.output and "policy.lora" in result.output
+    # The suggested command, on one line whatever the width, keeps the user's overrides and validates.
+    apply = [line for line in result.output.splitlines() if line.startswith('to apply "')]
+    assert len(apply) == 1, result.output
+    argv = shlex.split(apply[0].split(": ", 1)[1])
+    assert argv[:3] == ["ppo", "train", args[1]] and argv[3:3 + len(args) - 4] == args[4:]
+    resolved = CliRunner().invoke(app, ["validate", *argv[2:]])
+    assert resolved.exit_code == 0, resolved.output
+    assert "policy.lora" in apply[0] and yaml.safe_load(resolved.stdout)["policy"]["lora"]["r"] == 16
     assert not any(tmp_path.iterdir())  # nothing loaded, nothing written
