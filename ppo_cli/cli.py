@@ -177,7 +177,7 @@ def plan(
     from ppo_cli.recipe import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    from ppo_cli.commands.plan import render, run as run_plan  # imports torch: only after the recipe is valid
+    from ppo_cli.commands.plan import render, run as run_plan, set_args  # imports torch: only after the recipe is valid
     from ppo_cli.report import console
 
     result = run_plan(resolved, gpu_memory)
@@ -186,7 +186,7 @@ def plan(
         import shlex
 
         best = next((sug for sug in result.suggestions if sug.fits), result.suggestions[-1])
-        argv = ["ppo", "train", str(recipe)] + [a for o in [*(overrides or ()), *best.overrides] for a in ("--set", o)]
+        argv = ["ppo", "train", str(recipe), *set_args([*(overrides or ()), *best.overrides])]
         console.print(f"to apply \"{best.change}\": {shlex.join(argv)}", soft_wrap=True, markup=False, highlight=False)
     if result.budget_gb is not None and not result.fits:
         from ppo_cli.errors import EXIT_DOES_NOT_FIT

@@ -121,12 +121,17 @@ class RunDir:
         return self.recipe.exists() or self.metrics.exists() or self.final.exists()
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists: where a new file or directory would be made."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
 def check_run_dir(run: RunDir, overwrite: bool) -> None:
     """Refuse a path that is a file, or an existing run unless it may be overwritten. Reads only."""
     for parent in [run.path, *run.path.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"output path exists and is not a directory: {parent}", hint="set output_dir to a directory")
-    existing = next((p for p in (run.path, *run.path.parents) if p.exists()), Path("."))
+    existing = nearest_existing(run.path)
     if not os.access(existing, os.W_OK):
         raise UsageError(f"cannot write to the output directory {run.path}: {existing} is not writable",
                          hint="set output_dir to a directory you can write to")
@@ -202,7 +207,7 @@ def check_output_path(path: Path, option: str = "--out") -> Path:
     if path.is_dir():
         raise UsageError(f"{option} {path} is a directory", hint=f"give a file name, e.g. {option} {path / 'out.jsonl'}")
     parent = path.parent if str(path.parent) else Path(".")
-    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
+    existing = nearest_existing(parent)
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise UsageError(f"{option} {path}: cannot write to {existing}", hint="check the path and its permissions")
     return path

@@ -24,6 +24,7 @@ Importing this module does not import torch; ``plan()`` does (for the meta-devic
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -492,6 +493,11 @@ def _total_estimate(s: Settings, shapes: dict) -> Estimate:
     return estimate(s, shapes["policy"], shapes.get("value"), shapes["rewards"], shapes.get("reference"))
 
 
+def set_args(overrides) -> list[str]:
+    """``--set KEY=VALUE`` arguments for a command line (shlex.join quotes them)."""
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
 def render(result: PlanResult):
     """A rich renderable: the table of parts, the total, and what would make it fit."""
     from rich.console import Group
@@ -523,7 +529,7 @@ def render(result: PlanResult):
         for column in ("change", "--set", "total GB", "fits"):
             fixes.add_column(column, overflow="fold")  # wrapped, never cut: the overrides are for copying
         for sug in result.suggestions:
-            sets = " ".join(f"--set '{o}'" if any(c in o for c in " {}") else f"--set {o}" for o in sug.overrides)
+            sets = shlex.join(set_args(sug.overrides))
             fixes.add_row(sug.change, sets, f"{sug.total_gb:.2f}", "yes" if sug.fits else "no")
         parts.append(fixes)
     return Group(*parts)
