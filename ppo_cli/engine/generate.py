@@ -106,29 +106,74 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
     return Generation(prompt_ids, prompt_mask, response_ids, response_mask, finished)
 
 
-@torch.no_grad()
-def generate_with_hidden(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int,
-                         pad_token_id: int) -> tuple[Generation, torch.Tensor]:
-    """generate(), plus the decoder's last hidden state (B, T, H) that sampled each response token.
+class _SampledTokenLogprobs:
+    """Forward hook on a causal LM inside generate(): the log-prob of each sampled token under the
+    distribution it was sampled from, log_softmax(model logits / temperature), taken from the model's
+    own output (so after any soft-capping or logit scaling its forward applies).
 
-    Row t is the state at position P - 1 + t (the one that predicts response token t), exactly what
-    logprobs.response_slice(backbone_hidden(...)) gives for the finished sequences, but taken from the
-    generation's own KV-cached forward passes, so the rollout needs no second policy forward for the
-    old log-probs (and values, with a value head on the policy). Columns after the last generation step
-    (all rows stopped) are 0 and lie outside every response mask.
+    Step t's logits are kept until step t + 1's forward, whose input is the token sampled from them;
+    only one (B, V) row block is held at a time. The last step's token never goes back into the model,
+    so ``finish`` takes it from the returned response.
     """
-    steps: list[torch.Tensor] = []
-    decoder = unwrap_causal_lm(model).get_decoder()
-    handle = decoder.register_forward_hook(lambda module, args, out: steps.append(out[0][:, -1]))
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def _resolve(self, tokens: torch.Tensor) -> None:
+        logprobs = self.pending.log_softmax(-1)
+        self.steps.append(logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+        self.pending = None
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        if self.pending is not None:
+            self._resolve(kwargs["input_ids"][:, -1])
+        self.pending = output.logits[:, -1].float() / self.temperature
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S) log-probs of the S generated steps. ``response_ids`` (B, T): the sampled tokens; past a
+        row's stop token they are padding, but those columns lie outside its response mask."""
+        if self.pending is not None:
+            self._resolve(response_ids[:, len(self.steps)])
+        return torch.stack(self.steps, dim=1)
+
+
+@torch.no_grad()
+def generate_with_logprobs(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int,
+                           pad_token_id: int, keep_hidden: bool) -> tuple[Generation, torch.Tensor, torch.Tensor | None]:
+    """generate(), plus the log-prob (B, T) of every sampled token under the distribution it was
+    sampled from, and with ``keep_hidden`` the decoder's last hidden state (B, T, H) that sampled it.
+
+    Taken from the generation's own KV-cached forward passes, so the rollout needs no second policy
+    forward for the old log-probs (and values, with a value head on the policy). Row t is what
+    logprobs.causal_lm_forward gives at response position t for the finished sequences. Columns after
+    the last generation step (all rows stopped) are 0 and lie outside every response mask.
+    """
+    lm = unwrap_causal_lm(model)
+    sampled = _SampledTokenLogprobs(gen.temperature)
+    hidden_steps: list[torch.Tensor] = []
+    handles = [lm.register_forward_hook(sampled, with_kwargs=True)]
+    if keep_hidden:
+        handles.append(lm.get_decoder().register_forward_hook(lambda module, args, out: hidden_steps.append(out[0][:, -1])))
     try:
         generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id)
     finally:
-        handle.remove()
-    B, T = generation.response_ids.shape
-    hidden = torch.stack(steps[:T], dim=1)
-    if hidden.shape[1] < T:
-        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, T - hidden.shape[1]))
-    return generation, hidden
+        for handle in handles:
+            handle.remove()
+    T = generation.response_ids.shape[1]
+    logprobs = _pad_columns(sampled.finish(generation.response_ids), T)
+    hidden = _pad_columns(torch.stack(hidden_steps, dim=1), T) if keep_hidden else None
+    return generation, logprobs, hidden
+
+
+def _pad_columns(steps: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, S, ...) -> (B, width, ...), zeros after the S generated steps."""
+    missing = width - steps.shape[1]
+    if missing <= 0:
+        return steps[:, :width]
+    pad = torch.zeros((steps.shape[0], missing, *steps.shape[2:]), dtype=steps.dtype, device=steps.device)
+    return torch.cat([steps, pad], dim=1)
 
 
 def trim_padding(generation: Generation) -> Generation:

@@ -1,12 +1,20 @@
 """Forward passes that give per-token log-probs and values for the response part of sequences.
 
 Shapes: B sequences, L = P + T tokens (left-padded prompt of P, right-padded response of T), H hidden,
-V vocabulary. Position t of the response is predicted by the hidden state at P - 1 + t, so the
-outputs are (B, T) and line up with ``response_ids``. Logits are divided by the sampling temperature
-in rollout and update alike, so the PPO ratio is 1 at the first step.
+V vocabulary. Position t of the response is predicted by position P - 1 + t, so the outputs are
+(B, T) and line up with ``response_ids``.
+
+Log-probs come from the model's own forward (``model(...).logits``), never from applying the LM head
+to hidden states here: several architectures change their logits after the LM head (Gemma 2/3's
+final-logit soft-capping, Granite's ``logits_scaling``, Cohere's ``logit_scale``), and ``generate()``
+samples from those real logits. Logits are divided by the sampling temperature in rollout and update
+alike, so the PPO ratio is 1 at the first step.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -33,14 +41,39 @@ def backbone_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 
 def response_slice(hidden: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Hidden states (B, T, H) at the positions that predict the T response tokens."""
+    """Rows (B, T, ...) at the positions that predict the T response tokens, from (B, L, ...)."""
     return hidden[:, -response_len - 1 : -1]
 
 
-def lm_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Temperature-scaled logits (B, T, V), computed only where they are needed."""
-    logits = unwrap_causal_lm(model).get_output_embeddings()(hidden)
-    return logits.float() / temperature
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def causal_lm_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                      temperature: float, keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own logits at the response positions, divided by ``temperature`` (B, T, V) float32,
+    and with ``keep_hidden`` its decoder's last hidden states there (B, T, H), from the same forward.
+
+    ``logits_to_keep`` computes logits for the last T + 1 positions only (the last one predicts past
+    the response and is dropped); models without it (remote code) compute them all and are sliced.
+    """
+    lm = unwrap_causal_lm(model)
+    captured: list[torch.Tensor] = []
+    handle = None
+    if keep_hidden:
+        handle = lm.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out[0]))
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask.long(),
+                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    if _accepts_logits_to_keep(type(lm)):
+        kwargs["logits_to_keep"] = response_len + 1
+    try:
+        logits = model(**kwargs).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    logits = response_slice(logits, response_len).float() / temperature
+    return logits, (response_slice(captured[0], response_len) if keep_hidden else None)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 8) -> torch.Tensor:
@@ -67,13 +100,14 @@ def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch
 def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
     """(logits (B, T, V), values (B, T) or None): values come free when the head shares the backbone."""
     ac.use_adapter(POLICY_ADAPTER)
-    hidden = response_slice(backbone_hidden(ac.policy, sequences, attention_mask), response_len)
+    with_head = ac.value_kind == "head"
+    logits, hidden = causal_lm_forward(ac.policy, sequences, attention_mask, response_len, temperature, keep_hidden=with_head)
     values = None
-    if ac.value_kind == "head":
+    if with_head:
         # Detached by default: the value loss would otherwise dominate the shared weights' gradient
         # (returns of +-10 against a policy loss near 0.1), and Adam would follow the critic's needs.
         values = values_from_hidden(ac, hidden if ac.head_trains_backbone else hidden.detach())
-    return lm_logits(ac.policy, hidden, temperature), values
+    return logits, values
 
 
 def value_features(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
@@ -99,8 +133,7 @@ def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids,
     """log pi_ref of the response tokens (B, T): the base with LoRA disabled, or the frozen copy."""
     model = ac.ref_model if ac.ref_model is not None else ac.policy
     with ac.reference_context():
-        hidden = response_slice(backbone_hidden(model, sequences, attention_mask), response_ids.shape[1])
-        logits = lm_logits(model, hidden, temperature)
+        logits, _ = causal_lm_forward(model, sequences, attention_mask, response_ids.shape[1], temperature)
     return selective_log_softmax(logits, response_ids)
 
 

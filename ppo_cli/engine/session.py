@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 from ppo_cli.engine.data import format_prompts, tokenize_prompts
-from ppo_cli.engine.generate import generate, generate_with_hidden, resolve_stop_token_id, trim_padding
+from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
 from ppo_cli.engine.logprobs import (
-    lm_logits,
     policy_forward,
     reference_logprobs,
     selective_log_softmax,
@@ -52,6 +51,14 @@ INFERENCE_MODE = True
 CPU_MALLOC_TUNING = True
 
 
+@dataclass(frozen=True)
+class SampledForward:
+    """What generate()'s own forward passes computed for the sampled tokens (generate_with_logprobs)."""
+
+    logprobs: torch.Tensor  # (B, T) log-probs of the response tokens at the sampling temperature
+    hidden: torch.Tensor | None  # (B, T, H) policy decoder states that sampled them, for a value head
+
+
 @dataclass
 class Engine:
     recipe: Recipe
@@ -67,20 +74,22 @@ class Engine:
 
     def generate(self, prompts: list[str]) -> Generation:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
-        return self._generate(prompts, keep_hidden=False)[0]
+        return self._generate(prompts, from_generation=False)[0]
 
-    def _generate(self, prompts: list[str], keep_hidden: bool) -> tuple[Generation, torch.Tensor | None]:
-        """generate(); with ``keep_hidden`` also the policy's hidden states (B, T, H) that sampled the tokens."""
+    def _generate(self, prompts: list[str], from_generation: bool) -> tuple[Generation, "SampledForward | None"]:
+        """generate(); with ``from_generation`` also what its own forward passes computed: the sampled
+        tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them."""
         recipe = self.recipe
         texts = format_prompts(prompts, self.tokenizer, recipe.data.chat_template)
         prompt_ids, prompt_mask = tokenize_prompts(texts, self.tokenizer, recipe.data.max_prompt_tokens, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
-        generation, hidden = generate_with_hidden(*args) if keep_hidden else (generate(*args), None)
+        if not from_generation:
+            return trim_padding(generate(*args)), None
+        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_kind == "head")
         generation = trim_padding(generation)
-        if hidden is not None:
-            hidden = hidden[:, : generation.response_ids.shape[1]]
-        return generation, hidden
+        T = generation.response_ids.shape[1]
+        return generation, SampledForward(logprobs[:, :T], hidden[:, :T] if hidden is not None else None)
 
     def decode_responses(self, generation: Generation) -> list[str]:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
@@ -91,13 +100,12 @@ class Engine:
         )
 
     @torch.no_grad()
-    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, policy_hidden: torch.Tensor | None = None):
+    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None):
         """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask,
         and, for a frozen value model, the features its head read (B, T, H) (else None).
 
-        ``policy_hidden`` (B, T, H): the policy's hidden states kept from generation
-        (generate_with_hidden); the policy's forward pass is then skipped, only its LM head (and value
-        head) runs on them.
+        ``sampled``: the log-probs (and hidden states) taken from generation's own forward passes
+        (generate_with_logprobs); the policy's forward pass is then skipped.
         """
         ac, temperature = self.actor_critic, self.recipe.generation.temperature
         sequences, attention_mask = generation.sequences, generation.attention_mask
@@ -106,14 +114,13 @@ class Engine:
         keep_features = ac.value_features_fixed
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
-            if policy_hidden is None:
+            if sampled is None:
                 logits, vals = policy_forward(ac, seq, attn, T, temperature)
+                logprobs.append(selective_log_softmax(logits, resp))
+                del logits
             else:
-                hidden = policy_hidden[rows]
-                logits = lm_logits(ac.policy, hidden, temperature)
-                vals = values_from_hidden(ac, hidden) if ac.value_kind == "head" else None
-            logprobs.append(selective_log_softmax(logits, resp))
-            del logits
+                logprobs.append(sampled.logprobs[rows])
+                vals = values_from_hidden(ac, sampled.hidden[rows]) if sampled.hidden is not None else None
             with torch.inference_mode(INFERENCE_MODE):
                 ref = reference_logprobs(ac, seq, attn, resp, temperature)
                 if keep_features:
@@ -142,10 +149,10 @@ class Engine:
         return head is not None and head.weight.dtype == torch.float32
 
     def collect_rollout(self, prompts: list[str]) -> Rollout:
-        generation, hidden = self._generate(prompts, keep_hidden=self.reuses_generation_forward())
+        generation, sampled = self._generate(prompts, from_generation=self.reuses_generation_forward())
         responses = self.decode_responses(generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
-            generation, self.recipe.ppo.micro_batch_size, policy_hidden=hidden
+            generation, self.recipe.ppo.micro_batch_size, sampled
         )
         result = self.score(prompts, responses, generation)
         scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
