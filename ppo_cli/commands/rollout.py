@@ -77,9 +77,8 @@ def sample_rows(engine, model: ResolvedModel, prompts: list[str], settings: Samp
 def sequence_kl(engine, generation):
     """(B,) KL to the reference per response: sum_t k1_t over the response mask."""
     from ppo_cli.algo.kl import kl_penalty
-    from ppo_cli.engine.session import evaluate_policy_logprobs
 
-    logprobs, ref_logprobs = evaluate_policy_logprobs(engine, generation, engine.recipe.ppo.micro_batch_size)
+    logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
     kl = kl_penalty(logprobs, ref_logprobs, "k1").masked_fill(~generation.response_mask, 0.0)  # (B, T)
     return kl.sum(dim=1)
 

@@ -184,6 +184,7 @@ class ActorCritic(nn.Module):
         self.value_head = value_head
         self.value_backbone = value_backbone
         self.ref_model = ref_model
+        self.reference_is_policy = False  # inference on the reference itself: the KL is 0 by definition
         self.is_peft = hasattr(policy, "disable_adapter")
         self._trainable = [p for p in self.parameters() if p.requires_grad]
 

@@ -101,8 +101,9 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None):
-        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask,
-        and, for a frozen value model, the features its head read (B, T, H) (else None).
+        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask
+        (values None without a critic: inference), and, for a frozen value model, the features its head
+        read (B, T, H) (else None).
 
         ``sampled``: the log-probs (and hidden states) taken from generation's own forward passes
         (generate_with_logprobs); the policy's forward pass is then skipped.
@@ -111,7 +112,7 @@ class Engine:
         sequences, attention_mask = generation.sequences, generation.attention_mask
         T = generation.response_ids.shape[1]
         logprobs, ref_logprobs, values, features = [], [], [], []
-        keep_features = ac.value_features_fixed
+        has_critic, keep_features = ac.value_head is not None, ac.value_features_fixed
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
             if sampled is None:
@@ -122,16 +123,22 @@ class Engine:
                 logprobs.append(sampled.logprobs[rows])
                 vals = values_from_hidden(ac, sampled.hidden[rows]) if sampled.hidden is not None else None
             with torch.inference_mode(INFERENCE_MODE):
-                ref = reference_logprobs(ac, seq, attn, resp, temperature)
+                if ac.reference_is_policy:
+                    ref = logprobs[-1]
+                else:
+                    ref = reference_logprobs(ac, seq, attn, resp, temperature)
                 if keep_features:
                     features.append(value_features(ac, seq, attn, T).clone())
                     vals = values_from_hidden(ac, features[-1])
-                vals = vals if vals is not None else value_forward(ac, seq, attn, T)
+                if has_critic and vals is None:
+                    vals = value_forward(ac, seq, attn, T)
             ref_logprobs.append(ref.clone())  # clone: a normal tensor again, usable by the update's autograd
-            values.append(vals.clone())
+            if has_critic:
+                values.append(vals.clone())
         mask = generation.response_mask
         zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
-        return zero(logprobs), zero(ref_logprobs), zero(values), torch.cat(features) if features else None
+        return (zero(logprobs), zero(ref_logprobs), zero(values) if has_critic else None,
+                torch.cat(features) if features else None)
 
     def reuses_generation_forward(self) -> bool:
         """Take the old log-probs (and head values) from the generation's own forward passes?
@@ -338,27 +345,3 @@ def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
         raise ModelLoadError(f"cannot load the LoRA adapter in {adapter_dir}: {first_line}") from err
     disable_dropout(model)
     return model
-
-
-@torch.no_grad()
-def evaluate_policy_logprobs(engine: Engine, generation: Generation, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy and reference log-probs (B, T) of the sampled response tokens, 0 outside the response mask.
-
-    The forward functions of Engine.evaluate_logprobs_and_values (temperature-scaled, chunked), so
-    the numbers are the ones training sees; only the critic is left out.
-    """
-    ac, temperature = engine.actor_critic, engine.recipe.generation.temperature
-    sequences, attention_mask = generation.sequences, generation.attention_mask
-    T = generation.response_ids.shape[1]
-    logprobs, ref_logprobs = [], []
-    for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
-        seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
-        logits, _ = policy_forward(ac, seq, attn, T, temperature)
-        logprobs.append(selective_log_softmax(logits, resp))
-        del logits
-        if getattr(ac, "reference_is_policy", False):
-            ref_logprobs.append(logprobs[-1])
-        else:
-            ref_logprobs.append(reference_logprobs(ac, seq, attn, resp, temperature))
-    mask = generation.response_mask
-    return torch.cat(logprobs).masked_fill(~mask, 0.0), torch.cat(ref_logprobs).masked_fill(~mask, 0.0)
