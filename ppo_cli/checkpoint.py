@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
-from ppo_cli.runs import apply_default_modes
+from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
 MANIFEST = "manifest.json"
 INFO = "ppo_cli.json"
@@ -68,16 +68,16 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:
 @contextlib.contextmanager
 def atomic_directory(target: Path, manifest_info: dict):
     """Yield a temporary directory beside ``target``; when the block succeeds, write the manifest
-    last and rename it into place. A crash at any moment leaves ``target`` as it was."""
+    last and swap it into place. A crash at any moment leaves a complete ``target``: the old one or
+    the new one (replace_directory)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    restore_replaced_directory(target)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         yield tmp
         write_manifest(tmp, manifest_info)
         apply_default_modes(tmp)  # mkdtemp's 0700 (and any library's private files) would hide the run
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        replace_directory(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

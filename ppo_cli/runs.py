@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,52 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Move directory ``new`` to ``target``, replacing any directory there, so that ``target`` is never
+    missing: on Linux the two are exchanged in one step (renameat2 RENAME_EXCHANGE) and the old one is
+    removed after; elsewhere the old one is renamed aside before the new one goes in, and
+    ``restore_replaced_directory`` puts it back if a crash fell between the two renames.
+    """
+    if not target.exists():
+        new.rename(target)
+        return
+    if _exchange(new, target):
+        shutil.rmtree(new)  # now the old directory
+        return
+    aside = _aside_name(target)
+    shutil.rmtree(aside, ignore_errors=True)
+    target.rename(aside)
+    new.rename(target)
+    shutil.rmtree(aside)
+
+
+def restore_replaced_directory(target: Path) -> None:
+    """Undo a replacement cut short between its renames: the old directory goes back to ``target``."""
+    aside = _aside_name(target)
+    if aside.is_dir() and not target.exists():
+        aside.rename(target)
+
+
+def _aside_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.replaced")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries with Linux's renameat2; False where it is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # musl, or glibc before 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    return done  # EINVAL on file systems without exchange: the caller falls back to rename-aside
 
 
 def _json_safe(value):
@@ -434,6 +481,7 @@ def _resolve_alias(ref: str, run_dir: str | Path | None, output_root: str | Path
 def _resolve_directory(ref: str, directory: Path, kind: str | None = None) -> ResolvedModel:
     if RunDir(directory).recipe.exists():  # a run directory stands for its final model
         final = RunDir(directory).final
+        restore_replaced_directory(final)
         if not (final / "manifest.json").exists() and not (final / "adapter_config.json").exists():
             checkpoints = sorted(RunDir(directory).checkpoints.glob("step-*"))
             hint = f"use a checkpoint instead, e.g. {checkpoints[-1]}" if checkpoints else "the run may still be training or have stopped before saving"

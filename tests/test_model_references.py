@@ -229,3 +229,55 @@ def test_offline_hub_refuses_only_what_is_not_cached(value, tmp_path: Path, monk
                         lambda repo, name: f"/cache/{repo}/{name}" if (repo, name) in cached else None)
     check_model_reference("Qwen/Qwen2.5-0.5B")
     check_model_reference("someone/adapter")  # an adapter repo has no config.json
+
+
+def _write_final(target: Path, text: str) -> None:
+    from ppo_cli.checkpoint import atomic_directory
+
+    with atomic_directory(target, {"kind": "final"}) as tmp:
+        (tmp / "weights.bin").write_text(text)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_final_is_replaced_whole_with_nothing_left_beside_it(tmp_path: Path, monkeypatch, exchange: bool):
+    from ppo_cli import runs
+
+    if exchange:
+        probe_a, probe_b = tmp_path / "a", tmp_path / "b"
+        probe_a.mkdir(), probe_b.mkdir()
+        assert runs._exchange(probe_a, probe_b), "renameat2 RENAME_EXCHANGE is not available here"
+        probe_a.rmdir(), probe_b.rmdir()
+    else:
+        monkeypatch.setattr(runs, "_exchange", lambda a, b: False)
+    target = tmp_path / "final"
+    for text in ("old", "new", "newer"):
+        _write_final(target, text)
+        assert (target / "weights.bin").read_text() == text
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_crash_between_the_renames_keeps_the_old_final(tmp_path: Path, monkeypatch):
+    """Without an atomic exchange the old final/ is renamed aside first: killed before the new one goes
+    in, the old one is put back (by the next write, or by resolving the run's model)."""
+    from ppo_cli import runs
+
+    monkeypatch.setattr(runs, "_exchange", lambda a, b: False)
+    target = tmp_path / "final"
+    _write_final(target, "old")
+    real_rename = Path.rename
+
+    def killed_before_moving_new_in(self, destination):
+        if Path(destination) == target and self.name.startswith(".final-"):
+            raise KeyboardInterrupt
+        return real_rename(self, destination)
+
+    monkeypatch.setattr(Path, "rename", killed_before_moving_new_in)
+    with pytest.raises(KeyboardInterrupt):
+        _write_final(target, "new")
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert not target.exists()  # the window the exchange closes
+    runs.restore_replaced_directory(target)
+    assert (target / "weights.bin").read_text() == "old"
+    _write_final(target, "newest")
+    assert (target / "weights.bin").read_text() == "newest"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
