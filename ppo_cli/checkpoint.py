@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.memory_errors import disk_space_for
 from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
 MANIFEST = "manifest.json"
@@ -85,7 +86,8 @@ def atomic_directory(target: Path, manifest_info: dict):
 
 def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dtype: torch.dtype | None = None) -> None:
     """Write final/ atomically; with ``merge_dtype`` also final/merged/ (LoRA folded into the base)."""
-    with atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
+    keeps = "the previous final/ (if any) and every checkpoint are intact"
+    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
         save_policy_and_value(ac, tokenizer, tmp)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         if merge_dtype is not None and ac.is_peft:
@@ -136,7 +138,9 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
 
 
 def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int) -> None:
-    with atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
+    previous = latest_checkpoint(checkpoints_dir) if checkpoints_dir.exists() else None
+    keeps = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was written"
+    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp)
         torch.save(
             {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(), "rng": rng_states},

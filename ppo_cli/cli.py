@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from ppo_cli import __version__
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, DataError, PpoError, UsageError
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, DataError, PpoError, UsageError, first_line
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -412,8 +412,12 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")
         return EXIT_INTERRUPTED
-    first_line = next(iter(str(err).splitlines()), "")
-    print_error(f"unexpected {type(err).__name__}: {first_line}", BUG_HINT)
+    from ppo_cli.memory_errors import is_out_of_memory
+
+    if is_out_of_memory(err):  # outside training's phases (loading, eval, compare): still not a bug
+        print_error(f"out of memory: {first_line(err)}", "run `ppo plan RECIPE` to see what each role needs and what would fit")
+        return EXIT_RUNTIME
+    print_error(f"unexpected {type(err).__name__}: {first_line(err)}", BUG_HINT)
     return EXIT_RUNTIME
 
 

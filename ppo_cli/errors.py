@@ -69,3 +69,9 @@ class Interrupted(PpoError):
     """Stopped by Ctrl-C / SIGTERM after saving a checkpoint."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__

@@ -26,6 +26,7 @@ from ppo_cli.distributed import Distributed
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import PolicyAndValue, selective_log_softmax
 from ppo_cli.engine.session import Engine
+from ppo_cli.memory_errors import phase as memory_phase
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
@@ -295,7 +296,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
     size, dist = recipe.ppo.rollout_batch_size, state.dist
     prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
-    rollout = engine.collect_rollout(prompts)
+    with memory_phase("sampling and scoring the rollout"):
+        rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
 
     kl_coef = state.kl_controller.value
@@ -304,7 +306,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     skip_reason = find_non_finite(rollout, adv)
     if dist.any(skip_reason is not None):  # every process must skip together
         skip_reason = skip_reason or "non-finite numbers on another process"
-    stats = optimise(state, rollout, adv) if skip_reason is None else None
+    with memory_phase("updating the policy and critic"):
+        stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
 

@@ -111,13 +111,13 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ppo_cli.runs import check_model_reference
-    from ppo_cli.errors import ModelLoadError
+    from ppo_cli.errors import ModelLoadError, first_line
 
     check_model_reference(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read the config of '{path}': {str(err).splitlines()[0]}") from err
+        raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
     auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)

@@ -330,6 +330,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.checkpoint import load_checkpoint
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.session import load_engine
+    from ppo_cli.memory_errors import OutOfMemory, advice_from_plan
+    from ppo_cli.memory_errors import phase as memory_phase
     from ppo_cli.trainer import init_state
 
     dist = Distributed(recipe.train.device)
@@ -340,8 +342,12 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     started = time.perf_counter()
     if dist.is_main:
         report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
-    engine = load_engine(recipe, dist.device)
-    state = init_state(engine, prompts, dist)
+    try:
+        with memory_phase("loading the models"):
+            engine = load_engine(recipe, dist.device)
+        state = init_state(engine, prompts, dist)
+    except OutOfMemory as err:
+        raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
     run_dir, footprint = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
         load_checkpoint(state, checkpoint)
@@ -353,9 +359,11 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
-    except BaseException:
+    except BaseException as err:
         if footprint is not None and state.step == 0:
             discard_unstarted_run(run_dir, footprint)  # no update finished: leave no run to block or mislead
+        if isinstance(err, OutOfMemory):
+            raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
         raise
 
     summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer) if dist.is_main else {}

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from ppo_cli.errors import ModelLoadError, ModelReferenceError
+from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
 from ppo_cli.recipe import LoraConfig, Recipe
 from ppo_cli.runs import check_model_reference, hub_offline
 
@@ -86,7 +86,7 @@ def load_pretrained(
                              hint="copy or download the model again; an interrupted copy leaves a file cut short") from err
     except (OSError, ValueError, RuntimeError, ImportError) as err:
         hint = _hub_hint(path) if isinstance(err, OSError) else None  # not for e.g. out of memory
-        raise ModelLoadError(f"cannot load model '{path}': {_first_line(err)}", hint=hint) from err
+        raise ModelLoadError(f"cannot load model '{path}': {first_line(err)}", hint=hint) from err
     if quant_config is None:
         model.to(device)
     disable_dropout(model)
@@ -111,11 +111,6 @@ def is_quantized(model: nn.Module) -> bool:
     return any(getattr(lm, flag, False) for flag in ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit"))
 
 
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _hub_hint(path: str) -> str | None:
     """A name that is not a local directory was read as a hub id; say so, since a typo'd local path
     ('mymodel') fails the same way as an unreachable hub."""
@@ -133,7 +128,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
         hint = _hub_hint(path) if isinstance(err, OSError) else None
-        raise ModelLoadError(f"cannot load tokenizer from '{path}': {_first_line(err)}", hint=hint) from err
+        raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line(err)}", hint=hint) from err
     if tokenizer.pad_token_id is None:
         # Masks come from positions, never from comparing ids with pad, so EOS as pad is safe here.
         tokenizer.pad_token = tokenizer.eos_token

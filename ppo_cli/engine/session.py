@@ -36,7 +36,7 @@ from ppo_cli.engine.models import (
     unwrap_causal_lm,
 )
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
-from ppo_cli.errors import ModelLoadError
+from ppo_cli.errors import ModelLoadError, first_line
 from ppo_cli.recipe import Recipe
 from ppo_cli.runs import ResolvedModel
 from ppo_cli.types import Generation, Rollout
@@ -341,7 +341,6 @@ def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
     try:
         model = PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=POLICY_ADAPTER)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
-        first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
-        raise ModelLoadError(f"cannot load the LoRA adapter in {adapter_dir}: {first_line}") from err
+        raise ModelLoadError(f"cannot load the LoRA adapter in {adapter_dir}: {first_line(err)}") from err
     disable_dropout(model)
     return model
