@@ -341,6 +341,22 @@ class LoggingConfig(Section):
     trackers: list[TrackerName] = Field(
         [], description="Experiment trackers run through accelerate (each needs its own package, e.g. pip install wandb)."
     )
+    project: str = Field(
+        "ppo_cli", min_length=1,
+        description="The trackers' project (W&B project, MLflow experiment, ...); each run is a run in it, named after `name`.",
+    )
+    init_kwargs: dict[TrackerName, dict[str, Any]] = Field(
+        {}, description="Extra arguments per tracker, as accelerate's init_trackers takes them, e.g. "
+        "{wandb: {entity: my-team, tags: [ppo]}}.",
+    )
+
+    @model_validator(mode="after")
+    def _init_kwargs_for_trackers_in_use(self) -> "LoggingConfig":
+        unused = sorted(set(self.init_kwargs) - set(self.trackers))
+        if unused:
+            raise _rule_error(f"init_kwargs for {', '.join(unused)}, which is not in logging.trackers",
+                              "add it to logging.trackers or remove its init_kwargs", key="init_kwargs")
+        return self
 
 
 class Recipe(Section):

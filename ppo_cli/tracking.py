@@ -166,6 +166,15 @@ def scalar_metrics(metrics: Mapping[str, object]) -> dict[str, float]:
     }
 
 
+# How each tracker names a run inside its project (the others name runs themselves).
+RUN_NAME_ARGUMENT = {"wandb": "name", "mlflow": "run_name", "trackio": "name"}
+
+
+def _run_name_kwarg(tracker: str, run_name: str) -> dict[str, str]:
+    argument = RUN_NAME_ARGUMENT.get(tracker)
+    return {argument: run_name} if argument else {}
+
+
 class Trackers:
     """Everything that receives the metrics besides metrics.jsonl; a no-op when nothing is asked for."""
 
@@ -178,7 +187,11 @@ class Trackers:
 
             for name in config.trackers:
                 cls = tracking.LOGGER_TYPE_TO_CLASS[name]
-                tracker = cls(run_name, run_dir / TRACKERS_DIR) if cls.requires_logging_directory else cls(run_name)
+                # As accelerate's init_trackers: the project first, then the tracker's own init kwargs.
+                kwargs = {**_run_name_kwarg(name, run_name), **config.init_kwargs.get(name, {})}
+                if cls.requires_logging_directory:
+                    kwargs.setdefault("logging_dir", run_dir / TRACKERS_DIR)
+                tracker = cls(config.project, **kwargs)
                 tracker.start()
                 tracker.store_init_configuration(_flat_config(recipe_values or {}))
                 self.trackers.append(tracker)

@@ -154,8 +154,8 @@ class FakeTracker:
     requires_logging_directory = False
     made: list["FakeTracker"] = []
 
-    def __init__(self, run_name):
-        self.run_name, self.calls = run_name, []
+    def __init__(self, run_name, **kwargs):  # accelerate's name for what is the project (wandb.init(project=...))
+        self.project, self.kwargs, self.calls = run_name, kwargs, []
         FakeTracker.made.append(self)
 
     def start(self):
@@ -179,7 +179,7 @@ def test_accelerate_trackers_get_the_config_and_the_metrics(tmp_path, monkeypatc
     trackers.log({"step": 7, "objective/kl": 2.0, "health/warnings": []}, 7)
     trackers.close()
     (tracker,) = FakeTracker.made
-    assert tracker.run_name == "my-run"
+    assert (tracker.project, tracker.kwargs) == ("ppo_cli", {"name": "my-run"})  # one project, a run per recipe
     assert tracker.calls == [("start",), ("config", {"ppo.kl_coef": 0.05, "tags": "[1, 2]"}),
                              ("log", {"objective/kl": 2.0}, 7), ("finish",)]
 
@@ -191,3 +191,22 @@ def test_a_tracker_without_its_package_fails_before_training(monkeypatch):
         check_trackers(LoggingConfig(trackers=["mlflow"]))
     assert err.value.hint.startswith("pip install mlflow")
     check_trackers(LoggingConfig())  # nothing asked for: nothing checked
+
+
+def test_trackers_get_the_recipes_project_and_init_kwargs(tmp_path, monkeypatch):
+    tracking = pytest.importorskip("accelerate.tracking")
+    monkeypatch.setitem(tracking.LOGGER_TYPE_TO_CLASS, "wandb", FakeTracker)
+    FakeTracker.made.clear()
+    config = LoggingConfig(trackers=["wandb"], project="sentiment",
+                           init_kwargs={"wandb": {"entity": "my-team", "tags": ["ppo"], "name": "custom"}})
+    Trackers(config, tmp_path, "my-run").close()
+    (tracker,) = FakeTracker.made
+    assert tracker.project == "sentiment"
+    assert tracker.kwargs == {"entity": "my-team", "tags": ["ppo"], "name": "custom"}  # the user's name wins
+
+
+def test_init_kwargs_for_a_tracker_not_in_use_is_a_recipe_error():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="init_kwargs for mlflow, which is not in logging.trackers"):
+        LoggingConfig(trackers=["wandb"], init_kwargs={"mlflow": {"tags": {"a": "b"}}})
