@@ -207,7 +207,10 @@ class PPOConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor (TRL: gamma).")
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (TRL: lam).")
     kl_coef: float = Field(0.05, ge=0.0, description="Initial per-token KL penalty coefficient (beta; TRL: kl_coef).")
-    kl_estimator: Literal["k1", "k3"] = Field("k1", description="Per-token KL estimator in the reward (TRL: kl_estimator).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="Per-token KL estimator in the reward: k1 log-ratio (TRL's default), k2 half its square, "
+        "k3 exp(-log-ratio) - 1 + log-ratio (TRL: kl_estimator k1/k3; k2 and k3 are never negative)."
+    )
     adaptive_kl: AdaptiveKLConfig | None = Field(None, description="Adapt kl_coef towards a target KL.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to zero mean, unit variance over response tokens.")
     whiten_rewards: bool = Field(False, description="Normalise the shaped per-token rewards before GAE (TRL: whiten_rewards).")

@@ -416,3 +416,12 @@ def test_set_value_that_does_not_validate_is_located_on_the_command_line(tmp_pat
 def test_set_invalid_yaml_value(tmp_path):
     err = error(write(tmp_path, BASE), ["reward.components=[{type: function"])
     assert err.message.startswith("--set reward.components=[{type: function: the value is not valid YAML:")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_every_kl_estimator_of_the_algorithm_can_be_chosen(estimator):
+    from ppo_cli.algo.kl import KL_ESTIMATORS
+
+    assert estimator in KL_ESTIMATORS
+    recipe = load_recipe(MINIMAL, [f"ppo.kl_estimator={estimator}"])
+    assert recipe.ppo.kl_estimator == estimator

@@ -361,16 +361,13 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
               dataclasses.replace(s, micro_batch=micro), combine=micro == smaller[-1])
     if n_combined > 1:
         out.append(("all of the above", combined_sets, combined))
-    return [Suggestion(change, sets, _total(alt, shapes), _total(alt, shapes) <= budget_gb) for change, sets, alt in out]
+    totals = [(change, sets, _total_estimate(alt, shapes).total_gb) for change, sets, alt in out]
+    return [Suggestion(change, sets, total, total <= budget_gb) for change, sets, total in totals]
 
 
 def _merge(current: Settings, alt: Settings, base: Settings) -> Settings:
     changed = {f.name: getattr(alt, f.name) for f in dataclasses.fields(Settings) if getattr(alt, f.name) != getattr(base, f.name)}
     return dataclasses.replace(current, **changed)
-
-
-def _total(s: Settings, shapes: dict) -> float:
-    return estimate(s, shapes["policy"], shapes.get("value"), shapes["rewards"], shapes.get("reference")).total_gb
 
 
 # --- the command ----------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +186,3 @@ class RewardStack:
             components["overlength_penalty"] = penalty
             totals = [t + p for t, p in zip(totals, penalty)]
         return ScoreResult(totals, components)
-
-
-def all_finite(values: list[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
