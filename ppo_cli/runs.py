@@ -309,6 +309,12 @@ def write_jsonl_atomic(path: Path, rows) -> int:
 
 # --- model references: base / aligned / run dir / checkpoint / local model / hub id -> paths ---
 
+def looks_like_local_path(ref: str) -> bool:
+    """A name that can only be a local path, never a hub id (``org/name``): relative or absolute
+    markers, a trailing or second slash, or a backslash (no hub id has one)."""
+    return ref.startswith((".", "/", "~")) or ref.endswith("/") or ref.count("/") > 1 or "\\" in ref
+
+
 def check_model_reference(path: str) -> None:
     """Fail early and clearly when a model is neither a local directory nor reachable on the hub."""
     local = Path(path).expanduser()
@@ -321,8 +327,7 @@ def check_model_reference(path: str) -> None:
                 hint="point at a directory written by save_pretrained (or a hub id)",
             )
         return
-    looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
-    if looks_like_path:
+    if looks_like_local_path(path):
         raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
     if hub_offline():
         if _in_hub_cache(path):
@@ -529,8 +534,7 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
         return _resolve_directory(ref, path)
     if path.exists():
         raise ModelReferenceError(f"model reference {ref} is a file, not a model directory", hint=MODEL_REFERENCE_HINT)
-    looks_like_path = ref.startswith((".", "/", "~")) or ref.endswith("/") or ref.count("/") > 1 or "\\" in ref
-    if looks_like_path:
+    if looks_like_local_path(ref):
         raise ModelReferenceError(f"model directory not found: {ref}", hint="check the path (relative to the current directory)")
     close = difflib.get_close_matches(ref, MODEL_ALIASES, n=1, cutoff=0.6)
     if close or not _HUB_ID.match(ref):

@@ -281,3 +281,13 @@ def test_a_crash_between_the_renames_keeps_the_old_final(tmp_path: Path, monkeyp
     _write_final(target, "newest")
     assert (target / "weights.bin").read_text() == "newest"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+@pytest.mark.parametrize("ref, local", [
+    ("Qwen/Qwen2.5-0.5B", False), ("gpt2", False), ("./model", True), ("/abs/model", True), ("~/model", True),
+    ("runs/x/final", True), ("org/name/", True), ("models\\tiny", True),
+])
+def test_one_rule_tells_a_local_path_from_a_hub_id(ref, local):
+    from ppo_cli.runs import looks_like_local_path
+
+    assert looks_like_local_path(ref) is local
