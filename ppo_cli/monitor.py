@@ -1,6 +1,6 @@
 """Health warnings: small rules over a moving window of the training metrics.
 
-Each rule encodes one of seed 001's "knobs that break runs" (symptom -> cause -> fix): it looks at
+Each rule encodes one of the usual ways PPO runs break (symptom -> cause -> fix): it looks at
 the last ``window`` updates of a few metrics and, when its pattern shows, says what it sees (with the
 numbers), the likely cause and the fix, in plain words.
 
@@ -320,7 +320,7 @@ def _reward_hacking(h: History, c: MonitorConfig):
     "eos_stuck",
     cause="no response ends within generation.max_new_tokens: the stop token is wrong, the limit is "
     "too short, or nothing rewards ending (truncated responses also push the reward model out of distribution)",
-    fix="set reward.missing_eos_penalty (seed 003 uses 10), check generation.stop_token against the "
+    fix="set reward.missing_eos_penalty (10 is usual with scores near +-10), check generation.stop_token against the "
     "tokenizer's EOS, or raise generation.max_new_tokens",
 )
 def _eos_stuck(h: History, c: MonitorConfig):

@@ -283,7 +283,7 @@ class TrainConfig(Section):
 class MonitorConfig(Section):
     """Health warnings during training (ppo_cli/monitor.py): each rule looks at the last `window` updates."""
 
-    enabled: bool = Field(True, description="Watch the metrics and warn about runs going wrong (seed 001's failure modes).")
+    enabled: bool = Field(True, description="Watch the metrics and warn about runs going wrong (the usual PPO failure modes).")
     window: int = Field(
         10, ge=2, description="Updates each rule looks at (the moving window); KL and value-loss trends also skip the first window."
     )

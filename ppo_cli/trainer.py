@@ -192,7 +192,7 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             stats.optimizer_steps += 1
         stats.epochs_run = epoch + 1
         epoch_kl = stats.values["approx_kl"][epoch_start:]
-        # seed 003: stop reusing this batch once the policy has moved too far from the rollout policy.
+        # Stop reusing this batch once the policy has moved too far from the rollout policy.
         if ppo.max_kl is not None and state.dist.mean_of(sum(epoch_kl) / len(epoch_kl)) > ppo.max_kl:
             break
     optimizer.zero_grad(set_to_none=True)
@@ -241,7 +241,7 @@ def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
         "val/clipfrac_avg": dist.mean_of(stats.mean("value_clipfrac")),
         "val/ratio": dist.mean_of(stats.mean("ratio")),
         # Before the first optimizer step the policy is the rollout policy, so this is 1 up to numerics;
-        # far from 1 means rollout and update compute log-probs differently (seed 001: temperature).
+        # far from 1 means rollout and update compute log-probs differently (e.g. a missing temperature).
         "val/ratio_first_minibatch": dist.mean_of(sum(first) / len(first)),
         "ppo/epochs_run": stats.epochs_run,
         "ppo/skipped_steps": stats.skipped_steps,
@@ -340,7 +340,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     return metrics, rollout
 
 
-# seed 001, "The knobs that break runs": what usually makes PPO numbers blow up, and the fix.
+# What usually makes PPO numbers blow up, and the fix.
 LIKELY_CAUSES = {
     "non-finite rewards": "the reward returned NaN or inf: check the reward function or model on these "
     "responses (empty responses are a common trigger)",

@@ -97,7 +97,7 @@ def freeze(model: nn.Module) -> nn.Module:
     """A frozen model for inference: no gradients, and eval mode unless it is quantized.
 
     bitsandbytes repacks a 4-bit layer's weights for its CPU kernel on the first no-grad forward in
-    eval mode; that repack breaks training (platform notes) and fails outright on layers narrower
+    eval mode; that repack breaks the next backward (an in-place error on a leaf that requires grad) and fails outright on layers narrower
     than its block size. Dropout is already off everywhere (disable_dropout), so train mode computes
     the same thing without the repack.
     """
@@ -184,7 +184,7 @@ class ActorCritic(nn.Module):
         self._trainable = [p for p in self.parameters() if p.requires_grad]
 
     # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
-    # ours must keep their gradients (see shared/platform-notes.md), so restore them after switching.
+    # ours must keep their gradients (one backward covers both), so restore them after switching.
     def use_adapter(self, name: str) -> None:
         if self.is_peft and self.policy.active_adapter != name:
             self.policy.set_adapter(name)
@@ -263,7 +263,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
             policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
         policy = get_peft_model(policy, _peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
     # Train mode everywhere on the policy (dropout is already off): bitsandbytes repacks 4-bit weights
-    # after a no-grad forward in eval mode and then breaks the backward (platform notes).
+    # after a no-grad forward in eval mode and then breaks the backward.
     policy.train()
 
     ref_model = None

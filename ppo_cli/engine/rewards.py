@@ -131,7 +131,7 @@ class ModelScorer:
         return values
 
     def _logits_to_rewards(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, num_labels) -> (B,): the scalar head, or the label map (seed 003: value x confidence)."""
+        """(B, num_labels) -> (B,): the scalar head, or the label map (e.g. +10 x p(positive), as in https://github.com/suyashh94/qwen-ppo-tuning)."""
         if isinstance(self.component, ModelReward):
             return logits[:, 0]
         probs = logits.softmax(dim=-1)

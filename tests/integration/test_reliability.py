@@ -19,7 +19,7 @@ SMALL = {
     "ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
     "generation.max_new_tokens": 12, "train.total_updates": 6, "train.save_every": 2,
 }
-COMPARED_EXACTLY = 1e-6  # issue 4: resumed metrics equal the uninterrupted run's to 1e-6
+COMPARED_EXACTLY = 1e-6  # resumed metrics equal the uninterrupted run's to 1e-6
 
 
 def _cmd(models: Path, out: Path, *extra: str, **sets) -> list[str]:
