@@ -253,6 +253,10 @@ class PPOConfig(Section):
 
 
 class OptimConfig(Section):
+    name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw", description="adamw (torch, fused); adamw_8bit keeps both moments in 8 bits (bitsandbytes: a quarter "
+        "of fp32 AdamW's state, for full fine-tuning); paged_adamw_8bit also pages them out under GPU memory pressure.",
+    )
     lr: float = Field(1e-5, gt=0.0, description="Learning rate of the policy (AdamW).")
     value_lr: float | None = Field(
         None, gt=0.0,

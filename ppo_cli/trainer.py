@@ -46,6 +46,12 @@ def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
         {"params": ac.policy_parameters(), "lr": optim.lr},
         {"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)},
     ]
+    if optim.name != "adamw":
+        import bitsandbytes as bnb
+
+        # Tensors under 4096 elements (the value head, biases) keep 32-bit states: bitsandbytes' rule.
+        cls = bnb.optim.AdamW8bit if optim.name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+        return cls(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
     # The fused kernel exists for CUDA and CPU; on CPU it is ~7x faster than the default for-loop
     # (docs/benchmarks.md), which dominates a full fine-tune's optimizer step.
     fused_ok = engine.device.type in ("cuda", "cpu")

@@ -136,6 +136,17 @@ def test_full_finetune_parts(model_dir):
     assert p["value", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 2)
 
 
+def test_8bit_adamw_keeps_one_byte_per_moment(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    value = describe_model(str(model_dir), "backbone")
+    est = estimate(settings(lora=None, reference="copy", value_kind="model", rewards=(), optimizer="adamw_8bit"),
+                   shape, value, [])
+    p = parts(est)
+    assert p["policy", "gradients"] == pytest.approx(TOTAL * 4)  # gradients stay in the weights' dtype
+    assert p["policy", "AdamW states"] == pytest.approx(2 * TOTAL * 1)
+    assert p["value", "gradients + AdamW states"] == pytest.approx((value.total_params + 17) * (4 + 2 * 1))
+
+
 def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     value = describe_model(str(model_dir), "backbone")
@@ -179,6 +190,8 @@ def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):
     by_change = {f.change.split(" (")[0]: f for f in fixes}
     assert by_change["train a LoRA adapter"].overrides == ["policy.lora={r: 16}", "value.kind=head"]
     assert by_change["train a LoRA adapter"].total_gb < total
+    assert by_change["8-bit AdamW"].overrides == ["optim.name=adamw_8bit"]
+    assert by_change["8-bit AdamW"].total_gb < total
     assert [f.overrides for f in fixes if f.change.startswith("micro-batch")] == [
         ["ppo.micro_batch_size=2"], ["ppo.micro_batch_size=1"]]  # divisors of the mini-batch (4) only
     combined = fixes[-1]

@@ -7,7 +7,7 @@ LoRA adapts) and which do not. The rest is arithmetic on the recipe:
     weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
     LoRA         r x (in + out) per adapted linear layer, float32
     gradients    one per trainable parameter, in its dtype
-    optimizer    AdamW: two states per trainable parameter, in its dtype
+    optimizer    AdamW: two states per trainable parameter, in its dtype (1 B each with optim.name adamw_8bit)
     activations  what the update's forward keeps for the backward, per micro-batch of
                  micro_batch_size x (prompt + response) tokens; measured per token and layer for
                  Llama/Qwen-style decoders with SDPA attention (scripts/bench_vs_trl.py plan-check):
@@ -165,6 +165,7 @@ class Settings:
     token_budget: bool = False  # micro-batches sized by ppo.micro_batch_tokens (micro_batch: what fits)
     value_frozen: bool = False  # value.kind model with train_backbone false: only its head trains
     value_shared: bool = False  # ... and it is the reward model already loaded (no second copy)
+    optimizer: str = "adamw"  # optim.name: adamw keeps two moments in the parameter dtype, the 8-bit ones 1 B each
 
 
 @dataclass
@@ -219,8 +220,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         trainable_policy, grad_bytes = policy.total_params, b[s.dtype]
     lines.append(Line("policy", "gradients", trainable_policy * grad_bytes / GB,
                       f"{trainable_policy / 1e6:.2f}M trainable x {grad_bytes:g} B"))
-    lines.append(Line("policy", "AdamW states", ADAMW_STATES * trainable_policy * grad_bytes / GB,
-                      f"2 x {trainable_policy / 1e6:.2f}M x {grad_bytes:g} B"))
+    state_bytes = _optimizer_state_bytes(s.optimizer, grad_bytes)
+    lines.append(Line("policy", "AdamW states", ADAMW_STATES * trainable_policy * state_bytes / GB,
+                      f"2 x {trainable_policy / 1e6:.2f}M x {state_bytes:g} B"
+                      + (" (8-bit AdamW)" if s.optimizer != "adamw" else "")))
     # --- reference
     if s.reference == "adapter":
         lines.append(Line("reference", "weights", 0.0, "the policy's base with the LoRA adapter disabled"))
@@ -248,8 +251,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                               ("separate frozen model: " if s.value_frozen else "separate model: ")
                               + _weights_how(value, s.value_dtype, "none")))
     value_bytes = 4.0 if s.value_kind != "model" or s.value_frozen else b[s.value_dtype]
-    lines.append(Line("value", "gradients + AdamW states", (1 + ADAMW_STATES) * trainable_value * value_bytes / GB,
-                      f"3 x {trainable_value / 1e6:.2f}M x {value_bytes:g} B"))
+    value_state_bytes = _optimizer_state_bytes(s.optimizer, value_bytes)
+    lines.append(Line("value", "gradients + AdamW states",
+                      (value_bytes + ADAMW_STATES * value_state_bytes) * trainable_value / GB,
+                      f"{trainable_value / 1e6:.2f}M x ({value_bytes:g} + 2 x {value_state_bytes:g}) B"))
     # --- reward
     for shape, (dtype, quantization, _) in zip(rewards, s.rewards):
         lines.append(Line("reward", f"weights ({Path(shape.path).name})", shape.weight_bytes(dtype, quantization) / GB,
@@ -302,6 +307,12 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
 
 
+def _optimizer_state_bytes(optimizer: str, param_bytes: float) -> float:
+    """Bytes per AdamW moment per parameter: the parameter's own dtype, or 1 for the 8-bit optimizers
+    (their per-block scales add under 1%)."""
+    return param_bytes if optimizer == "adamw" else 1.0
+
+
 def _weights_how(shape: ModelShape, dtype: str, quantization: str) -> str:
     if quantization == "none":
         return f"{shape.total_params / 1e6:.1f}M params x {DTYPE_BYTES[dtype]:g} B ({dtype})"
@@ -350,6 +361,8 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
     if any(q == "none" for _, q, _ in s.rewards):
         sets = [f"reward.components.{i}.quantization=4bit" for i, (_, q, _) in enumerate(s.rewards) if q == "none"]
         offer("4-bit reward model", sets, dataclasses.replace(s, rewards=tuple((d, "4bit", n) for d, _, n in s.rewards)))
+    if s.lora is None and s.optimizer == "adamw":
+        offer("8-bit AdamW (bitsandbytes)", ["optim.name=adamw_8bit"], dataclasses.replace(s, optimizer="adamw_8bit"))
     if not s.gradient_checkpointing:
         offer("gradient checkpointing", ["policy.gradient_checkpointing=true"],
               dataclasses.replace(s, gradient_checkpointing=True))
@@ -431,7 +444,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         rollout_batch=recipe.ppo.rollout_batch_size,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
-        value_frozen=frozen,
+        value_frozen=frozen, optimizer=recipe.optim.name,
         value_shared=frozen and any(
             c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
             for c in recipe.reward.components if c.type in ("model", "classifier")
