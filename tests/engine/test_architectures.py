@@ -43,7 +43,7 @@ SENTENCEPIECE_FAMILIES = [name for name, family in FAMILIES.items() if family.to
 BYTE_LEVEL_FAMILIES = [name for name, family in FAMILIES.items() if family.tokenizer == "byte_level"]
 
 
-def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto") -> Recipe:
+def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto", rollout_logprobs: str = "forward") -> Recipe:
     return validate_recipe({
         "name": "arch",
         "seed": 0,
@@ -54,7 +54,8 @@ def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto") -> 
         "reward": {"components": [{"type": "function", "function": "ppo_cli.examples.rewards:positive_words"}]},
         "data": {"prompts": str(ROOT / "recipes" / "prompts" / "reviews.txt"), "max_prompt_tokens": 32},
         "generation": {"max_new_tokens": 8, "temperature": TEMPERATURE},
-        "ppo": {"rollout_batch_size": 4, "mini_batch_size": 2, "micro_batch_size": 1, "ppo_epochs": 1},
+        "ppo": {"rollout_batch_size": 4, "mini_batch_size": 2, "micro_batch_size": 1, "ppo_epochs": 1,
+                "rollout_logprobs": rollout_logprobs},
         "optim": {"lr": 5e-3},
         # Tiny matrices: one thread. Two threads on 2 cores shared with other processes spend ~35x
         # the CPU time spinning in the thread pool.
@@ -62,8 +63,9 @@ def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto") -> 
     })
 
 
-def make_engine(architecture_models: Path, family: str, output_dir: Path, value_kind: str = "auto") -> Engine:
-    engine = load_engine(make_recipe(architecture_models / family, output_dir, value_kind))
+def make_engine(architecture_models: Path, family: str, output_dir: Path, value_kind: str = "auto",
+                rollout_logprobs: str = "forward") -> Engine:
+    engine = load_engine(make_recipe(architecture_models / family, output_dir, value_kind, rollout_logprobs))
     torch.manual_seed(0)
     return engine
 
@@ -180,6 +182,17 @@ def test_rollout_logprobs_equal_the_distribution_generate_sampled_from(sampled):
     expected = sampled_logprobs(generate_logits, generation, TEMPERATURE)
     assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, KV_CACHED,
                           "policy log-probs vs generate(output_logits=True)")
+
+
+def test_logprobs_kept_from_generation_equal_the_models_own_forward(architecture_models, family, tmp_path):
+    """ppo.rollout_logprobs: generation takes the old log-probs from the sampling passes themselves."""
+    engine = make_engine(architecture_models, family, tmp_path, rollout_logprobs="generation")
+    assert engine.reuses_generation_forward()
+    rollout = engine.collect_rollout(PROMPTS)
+    generation = rollout.generation
+    expected = forward_logprobs(engine.actor_critic.policy, generation, TEMPERATURE)
+    assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, KV_CACHED,
+                          "log-probs kept from generation vs model(ids).logits")
 
 
 # --- b. first mini-batch ratio ---------------------------------------------------------------------
