@@ -4,9 +4,10 @@ For each family in tests/fixtures/architectures.py (tiny random weights, realist
 family's own tokenizer kind), through the project's own loading (load_engine with LoRA):
 
 - the rollout's log-probs are those of the model's own forward (``model(ids).logits``) over each row's
-  real tokens alone, and those of the logits ``generate`` sampled from; the reference's likewise with
-  the adapter disabled. A forward that post-processes its logits (Gemma 2's softcapping, Granite's
-  logits_scaling, Cohere's logit_scale) must not be bypassed;
+  real tokens alone, and those of the logits ``generate`` sampled from; so are the reference's (adapter
+  disabled) and those kept from generation (ppo.rollout_logprobs: generation). A forward that
+  post-processes its logits (Gemma 2's softcapping, Granite's logits_scaling, Cohere's logit_scale)
+  must not be bypassed;
 - the first PPO mini-batch has ratio 1, with the adapter critic and with a value head, and the policy
   adapter's weights move;
 - final/ loads with ``PeftModel.from_pretrained`` and gives the trained policy's logits.
