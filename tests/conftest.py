@@ -44,3 +44,19 @@ def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
     }
     sets.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in sets.items()]
+
+
+@pytest.fixture(scope="session")
+def architecture_models() -> Path:
+    """DIR/<family>/ tiny random-weight models of real architectures (tests/fixtures/architectures.py),
+    built once per version of the builder under .cache/. PPO_ARCH_MODELS=DIR uses an existing build."""
+    if os.environ.get("PPO_ARCH_MODELS"):
+        return Path(os.environ["PPO_ARCH_MODELS"])
+    from tests.fixtures import architectures
+
+    builder = Path(architectures.__file__)
+    digest = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
+    out = ROOT / ".cache" / f"arch-models-{digest}"
+    if not (out / "families.json").exists():
+        architectures.build_all(out)
+    return out

@@ -1,0 +1,280 @@
+"""Every supported architecture trains on the distribution it samples from.
+
+For each family in tests/fixtures/architectures.py (tiny random weights, realistic logit scale, the
+family's own tokenizer kind), through the project's own loading (load_engine with LoRA):
+
+- the rollout's log-probs are those of the model's own forward (``model(ids).logits``) over each row's
+  real tokens alone, and those of the logits ``generate`` sampled from; so are the reference's (adapter
+  disabled) and those kept from generation (ppo.rollout_logprobs: generation). A forward that
+  post-processes its logits (Gemma 2's softcapping, Granite's logits_scaling, Cohere's logit_scale)
+  must not be bypassed;
+- the first PPO mini-batch has ratio 1, with the adapter critic and with a value head, and the policy
+  adapter's weights move;
+- final/ loads with ``PeftModel.from_pretrained`` and gives the trained policy's logits.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_cli.checkpoint import save_final
+from ppo_cli.engine.data import format_prompts, tokenize_prompts
+from ppo_cli.engine.models import load_tokenizer
+from ppo_cli.engine.session import Engine, load_engine
+from ppo_cli.recipe import Recipe, validate_recipe
+from ppo_cli.trainer import init_state, train_step
+from tests.conftest import ROOT
+from tests.fixtures.architectures import FAMILIES, SENTENCEPIECE_VOCAB
+
+# Different lengths in every tokenizer, so the batch is left-padded.
+PROMPTS = ["The movie was", "I think the book was really", "Overall", "This phone is fast and the screen is"]
+TEMPERATURE = 0.7
+# float32 rounding at realistic logits (logits / temperature up to ~40): measured, the engine's padded
+# batch and a row alone are each up to 2e-5 nats from a float64 forward. A skipped softcap costs
+# tenths of a nat, a skipped logit scale or a position off by one, nats.
+FORWARD_PARITY = 5e-5
+KV_CACHED = 1e-4  # generate's incremental forwards against one full forward
+RATIO = 1e-5  # rollout and update run the same batched forward
+
+SENTENCEPIECE_FAMILIES = [name for name, family in FAMILIES.items() if family.tokenizer == "sentencepiece"]
+BYTE_LEVEL_FAMILIES = [name for name, family in FAMILIES.items() if family.tokenizer == "byte_level"]
+
+
+def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto", rollout_logprobs: str = "forward") -> Recipe:
+    return validate_recipe({
+        "name": "arch",
+        "seed": 0,
+        "output_dir": str(output_dir),
+        "policy": {"path": str(model_dir), "dtype": "float32",
+                   "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
+        "value": {"kind": value_kind},
+        "reward": {"components": [{"type": "function", "function": "ppo_cli.examples.rewards:positive_words"}]},
+        "data": {"prompts": str(ROOT / "recipes" / "prompts" / "reviews.txt"), "max_prompt_tokens": 32},
+        "generation": {"max_new_tokens": 8, "temperature": TEMPERATURE},
+        "ppo": {"rollout_batch_size": 4, "mini_batch_size": 2, "micro_batch_size": 1, "ppo_epochs": 1,
+                "rollout_logprobs": rollout_logprobs},
+        "optim": {"lr": 5e-3},
+        # Tiny matrices: one thread. Two threads on 2 cores shared with other processes spend ~35x
+        # the CPU time spinning in the thread pool.
+        "train": {"total_updates": 1, "device": "cpu", "num_threads": 1},
+    })
+
+
+def make_engine(architecture_models: Path, family: str, output_dir: Path, value_kind: str = "auto",
+                rollout_logprobs: str = "forward") -> Engine:
+    engine = load_engine(make_recipe(architecture_models / family, output_dir, value_kind, rollout_logprobs))
+    torch.manual_seed(0)
+    return engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_num_threads():
+    """load_engine sets the process-wide thread count from the recipe; leave it as it was found."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sampled(architecture_models, family, tmp_path_factory):
+    """(engine, rollout, raw logits (B, steps, V) that generate() sampled the rollout from)."""
+    engine = make_engine(architecture_models, family, tmp_path_factory.mktemp(family))
+    policy = engine.actor_critic.policy
+    captured = []
+
+    def generate_keeping_logits(*args, **kwargs):
+        out = original(*args, **kwargs, output_logits=True, return_dict_in_generate=True)
+        captured.append(torch.stack(out.logits, dim=1))
+        return out.sequences
+
+    original = policy.generate
+    policy.generate = generate_keeping_logits
+    try:
+        rollout = engine.collect_rollout(PROMPTS)
+    finally:
+        del policy.generate
+    return engine, rollout, captured[0]
+
+
+@pytest.fixture(scope="module")
+def trained(architecture_models, family, tmp_path_factory):
+    """(engine, metrics of one update, the policy adapter's weights before it), default critic."""
+    engine = make_engine(architecture_models, family, tmp_path_factory.mktemp(family))
+    before = policy_adapter_weights(engine)
+    metrics, _ = train_step(init_state(engine, PROMPTS))
+    return engine, metrics, before
+
+
+# --- ground truth ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def forward_logprobs(model, generation, temperature: float) -> torch.Tensor:
+    """(B, T): each row's real tokens alone (no padding) through ``model(ids).logits``, log-softmax at
+    the temperature, at the sampled response tokens; 0 outside the response mask."""
+    out = torch.zeros(generation.response_ids.shape)
+    for row in range(generation.response_ids.shape[0]):
+        prompt = generation.prompt_ids[row][generation.prompt_mask[row]]
+        response = generation.response_ids[row][generation.response_mask[row]]
+        logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0].float()
+        predicting = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        out[row, : len(response)] = torch.log_softmax(predicting / temperature, -1).gather(-1, response[:, None])[:, 0]
+    return out
+
+
+def sampled_logprobs(generate_logits: torch.Tensor, generation, temperature: float) -> torch.Tensor:
+    """(B, T) log-probs of the response tokens under the logits generate() sampled them from."""
+    T = generation.response_ids.shape[1]
+    logprobs = torch.log_softmax(generate_logits[:, :T].float() / temperature, -1)
+    return logprobs.gather(-1, generation.response_ids[..., None])[..., 0].masked_fill(~generation.response_mask, 0.0)
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor) -> float:
+    return (actual - expected)[mask].abs().max().item()
+
+
+def assert_logprobs_close(actual, expected, mask, atol: float, what: str) -> None:
+    error = max_error(actual, expected, mask)
+    assert error <= atol, f"{what}: max |error| {error:.3g} nats over {int(mask.sum())} response tokens (tolerance {atol:g})"
+
+
+def policy_adapter_weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.actor_critic.policy.named_parameters() if ".policy." in n and "lora_" in n}
+
+
+# --- a. log-prob parity ----------------------------------------------------------------------------
+
+
+def test_rollout_batch_is_left_padded(sampled):
+    _, rollout, _ = sampled
+    lengths = rollout.generation.prompt_mask.sum(dim=1)
+    assert lengths.min() < lengths.max()
+    assert rollout.generation.response_mask.sum() > len(PROMPTS)
+
+
+def test_rollout_logprobs_equal_the_models_own_forward(sampled):
+    engine, rollout, _ = sampled
+    generation = rollout.generation
+    expected = forward_logprobs(engine.actor_critic.policy, generation, TEMPERATURE)
+    assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, FORWARD_PARITY, "policy log-probs vs model(ids).logits")
+
+
+def test_reference_logprobs_equal_the_base_models_own_forward(sampled):
+    engine, rollout, _ = sampled
+    generation = rollout.generation
+    with engine.actor_critic.reference_context():
+        expected = forward_logprobs(engine.actor_critic.policy, generation, TEMPERATURE)
+    assert_logprobs_close(rollout.ref_logprobs, expected, generation.response_mask, FORWARD_PARITY,
+                          "reference log-probs vs model(ids).logits with the adapter disabled")
+
+
+def test_rollout_logprobs_equal_the_distribution_generate_sampled_from(sampled):
+    _, rollout, generate_logits = sampled
+    generation = rollout.generation
+    expected = sampled_logprobs(generate_logits, generation, TEMPERATURE)
+    assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, KV_CACHED,
+                          "policy log-probs vs generate(output_logits=True)")
+
+
+def test_logprobs_kept_from_generation_equal_the_models_own_forward(architecture_models, family, tmp_path):
+    """ppo.rollout_logprobs: generation takes the old log-probs from the sampling passes themselves."""
+    engine = make_engine(architecture_models, family, tmp_path, rollout_logprobs="generation")
+    assert engine.reuses_generation_forward()
+    rollout = engine.collect_rollout(PROMPTS)
+    generation = rollout.generation
+    expected = forward_logprobs(engine.actor_critic.policy, generation, TEMPERATURE)
+    assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, KV_CACHED,
+                          "log-probs kept from generation vs model(ids).logits")
+
+
+# --- b. first mini-batch ratio ---------------------------------------------------------------------
+
+
+def assert_first_update_is_sound(metrics: dict, before: dict, engine: Engine) -> None:
+    assert abs(metrics["val/ratio_first_minibatch"] - 1.0) <= RATIO, metrics["val/ratio_first_minibatch"]
+    assert metrics["skipped"] == 0, metrics.get("skip_reason")
+    assert math.isfinite(metrics["loss/policy_avg"]) and math.isfinite(metrics["loss/value_avg"])
+    after = policy_adapter_weights(engine)
+    assert before and any(not torch.equal(before[n], after[n]) for n in before), "the policy adapter did not train"
+
+
+def test_first_update_with_the_default_critic_has_ratio_one(trained):
+    engine, metrics, before = trained
+    assert engine.actor_critic.value_kind == "adapter"
+    assert_first_update_is_sound(metrics, before, engine)
+
+
+def test_first_update_with_a_value_head_has_ratio_one(architecture_models, family, tmp_path):
+    engine = make_engine(architecture_models, family, tmp_path, value_kind="head")
+    before = policy_adapter_weights(engine)
+    metrics, _ = train_step(init_state(engine, PROMPTS))
+    assert_first_update_is_sound(metrics, before, engine)
+
+
+# --- c. final/ loads with peft -----------------------------------------------------------------------
+
+
+def test_final_adapter_loads_with_peft_and_gives_the_trained_logits(trained, architecture_models, family, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    engine, _, _ = trained
+    final_dir = tmp_path / "final"
+    save_final(engine.actor_critic, engine.tokenizer, final_dir, {"step": 1})
+    base = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32)
+    ids = engine.tokenizer(PROMPTS[-1], return_tensors="pt").input_ids
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        loaded_logits = PeftModel.from_pretrained(base, final_dir).eval()(input_ids=ids).logits
+        trained_logits = engine.actor_critic.policy(input_ids=ids).logits
+    assert (trained_logits - base_logits).abs().max() > 1e-3, "the update left the logits unchanged"
+    torch.testing.assert_close(loaded_logits, trained_logits, atol=1e-5, rtol=0)  # the same forward, same rows
+
+
+# --- tokenizers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SENTENCEPIECE_FAMILIES)
+def test_sentencepiece_tokenizer_is_whole_adds_bos_and_has_no_pad(architecture_models, name):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(architecture_models / name)
+    assert len(tokenizer) == SENTENCEPIECE_VOCAB
+    assert tokenizer.pad_token is None
+    ids = tokenizer("The movie was great").input_ids
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "The movie was great"
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL_FAMILIES)
+def test_byte_level_tokenizer_has_eos_and_no_bos(architecture_models, name):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(architecture_models / name)
+    ids = tokenizer("The movie was great").input_ids
+    assert tokenizer.bos_token_id is None or tokenizer.bos_token_id not in ids
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id not in ids
+    assert tokenizer.decode(ids) == "The movie was great"
+
+
+@pytest.mark.xfail(strict=True, reason="double BOS")
+def test_chat_templated_prompt_has_exactly_one_bos(architecture_models):
+    """A chat template that writes the BOS itself, tokenised as the engine does: one BOS, not two."""
+    tokenizer = load_tokenizer(str(architecture_models / "mistral"))
+    assert tokenizer.chat_template.startswith("{{ bos_token }}")
+    texts = format_prompts(PROMPTS, tokenizer, chat_template=True)
+    prompt_ids, prompt_mask = tokenize_prompts(texts, tokenizer, max_prompt_tokens=64, device="cpu")
+    for ids, mask in zip(prompt_ids, prompt_mask):
+        real = ids[mask].tolist()
+        assert real[0] == tokenizer.bos_token_id
+        assert real.count(tokenizer.bos_token_id) == 1, real[:4]
