@@ -56,10 +56,19 @@ def _quantization_config(quantization: str, compute_dtype: torch.dtype):
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """PPO needs the rollout and update forwards to agree, so no dropout anywhere (TRL does the same)."""
+    """PPO needs the rollout and update forwards to agree, so no dropout anywhere (TRL does the same).
+
+    Besides dropout modules, many transformers layers keep the rate as a float attribute and call
+    ``nn.functional.dropout`` in train mode (OPT's ``dropout`` 0.1 and ``layerdrop``, the attention
+    layers' ``attention_dropout``): those are zeroed too. The policy stays in train mode (see freeze),
+    so a missed one would make every forward random.
+    """
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        for name, value in vars(module).items():
+            if "drop" in name and isinstance(value, float) and value > 0.0:
+                setattr(module, name, 0.0)
 
 
 def load_pretrained(

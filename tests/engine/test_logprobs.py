@@ -115,3 +115,21 @@ def test_generation_logprobs_are_those_of_the_distribution_sampled(family):
     torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(hidden[mask], full_hidden[mask], atol=1e-5, rtol=0)
     assert logprobs.shape == (2, T) and hidden.shape == (2, T, 32)
+
+
+def test_no_dropout_survives_in_train_mode_not_even_as_a_float_rate():
+    """OPT applies dropout through float attributes (config.dropout 0.1), not nn.Dropout modules; the
+    policy trains in train mode, so two forwards must still agree exactly."""
+    import transformers
+
+    from ppo_cli.engine.models import disable_dropout
+
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, word_embed_proj_dim=32, dropout=0.1,
+                                    attention_dropout=0.1, layerdrop=0.5, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).train()
+    ids = torch.randint(3, VOCAB, (2, 7))
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # random as loaded
+    disable_dropout(model)
+    torch.testing.assert_close(model(ids).logits, model(ids).logits, atol=0, rtol=0)
