@@ -168,6 +168,24 @@ def test_rollout_logprobs_equal_the_models_own_forward(sampled):
     assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, FORWARD_PARITY, "policy log-probs vs model(ids).logits")
 
 
+def test_rollout_logprobs_equal_the_models_own_forward_on_the_same_padded_batch(sampled):
+    """The left-padded batch itself through ``model(...).logits`` (all positions, no logits_to_keep,
+    positions from the mask as generate computes them): the same arithmetic, so float32 agrees to 1e-5."""
+    from ppo_cli.engine.logprobs import position_ids_from_mask
+
+    engine, rollout, _ = sampled
+    generation = rollout.generation
+    T = generation.response_ids.shape[1]
+    with torch.no_grad():
+        logits = engine.actor_critic.policy(
+            input_ids=generation.sequences, attention_mask=generation.attention_mask.long(),
+            position_ids=position_ids_from_mask(generation.attention_mask),
+        ).logits[:, -T - 1 : -1].float()
+    expected = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, generation.response_ids[..., None])[..., 0]
+    assert_logprobs_close(rollout.logprobs, expected, generation.response_mask, 1e-5,
+                          "policy log-probs vs model(padded batch).logits")
+
+
 def test_reference_logprobs_equal_the_base_models_own_forward(sampled):
     engine, rollout, _ = sampled
     generation = rollout.generation
