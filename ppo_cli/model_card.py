@@ -89,7 +89,7 @@ def render_model_card(info: dict, recipe_yaml: str, before: dict | None = None, 
     text = [
         "---\n" + yaml.safe_dump(front_matter(policy_path, is_adapter), sort_keys=False) + "---\n",
         f"# {info.get('name', 'ppo_cli policy')}\n",
-        f"{what} trained from {start} with PPO (RLHF) by ppo_cli, {info.get('step')} updates. "
+        f"{what} trained with PPO (RLHF) by ppo_cli for {info.get('step')} updates, starting from {start}. "
         "The reference for the KL penalty was the starting model.\n",
     ]
     if policy_adapter:

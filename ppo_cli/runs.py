@@ -378,14 +378,13 @@ class ResolvedModel:
 
     def describe(self) -> str:
         """One line for people: 'aligned = runs/x/final (LoRA adapter on models/tiny/policy)'."""
+        base = self.base_path + (f" + adapter {self.base_adapter}" if self.base_adapter is not None else "")
         if self.adapter_dir is not None:
-            where = f"{self.adapter_dir} (LoRA adapter on {self.base_path})"
+            where = f"{self.adapter_dir} (LoRA adapter on {base})"
         elif self.full_model_dir is not None:
             where = f"{self.full_model_dir} (fine-tuned from {self.base_path})"
         else:
-            where = self.base_path + (" (hub)" if self.kind == "hub" else "")
-        if self.base_adapter is not None:
-            where += f" + adapter {self.base_adapter}"
+            where = base + (" (hub)" if self.kind == "hub" else "")
         return where if self.reference == where else f"{self.reference} = {where}"
 
 

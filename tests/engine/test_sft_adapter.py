@@ -49,6 +49,10 @@ def _base_and_sft(tiny_models, adapter):
 @pytest.mark.parametrize("extra", [{}, FULL_FINETUNE], ids=["lora", "full"])
 def test_sft_adapter_is_start_and_reference_and_first_kl_is_zero(tiny_models, sft_adapter, tmp_path, extra):
     engine = load_engine(_recipe(tiny_models, tmp_path, sft_adapter, **extra))
+    ac = engine.actor_critic
+    if ac.value_backbone is not None:  # a critic initialised from the policy starts from the SFT model too
+        merged_q = ac.ref_model.model.layers[0].self_attn.q_proj.weight
+        assert torch.equal(ac.value_backbone.layers[0].self_attn.q_proj.weight, merged_q)
     torch.manual_seed(0)
     metrics, rollout = train_step(init_state(engine, PROMPTS))
     mask = rollout.generation.response_mask
