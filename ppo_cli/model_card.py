@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ppo_cli.runs import _HUB_ID
+from ppo_cli.runs import HUB_ID
 
 TAGS = ["ppo_cli", "ppo", "rlhf", "reinforcement-learning"]
 
@@ -38,7 +38,7 @@ def hub_base_model(policy_path: str) -> str | None:
         recorded = json.loads((local / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(recorded, str) and _HUB_ID.match(recorded) and not Path(recorded).expanduser().exists():
+    if isinstance(recorded, str) and HUB_ID.match(recorded) and not Path(recorded).expanduser().exists():
         return recorded
     return None
 

@@ -343,7 +343,7 @@ MODEL_REFERENCE_HINT = (
     "a model is 'base' or 'aligned' (of --run DIR, default the latest run), a run or checkpoint directory, "
     "a local model directory, or a hub id"
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -436,7 +436,7 @@ def run_policy_adapter(run: Path) -> str | None:
     if info.exists():
         try:
             data = json.loads(info.read_text(encoding="utf-8"))
-            if "policy_path" in data:  # written by a version that knows policy_adapter, or before it existed
+            if "policy_path" in data:  # a final/ saved before policy.adapter existed had none
                 return data.get("policy_adapter")
         except (ValueError, TypeError):
             pass
@@ -533,7 +533,7 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
     if looks_like_path:
         raise ModelReferenceError(f"model directory not found: {ref}", hint="check the path (relative to the current directory)")
     close = difflib.get_close_matches(ref, MODEL_ALIASES, n=1, cutoff=0.6)
-    if close or not _HUB_ID.match(ref):
+    if close or not HUB_ID.match(ref):
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ModelReferenceError(f"unknown model reference '{ref}'", hint=hint + MODEL_REFERENCE_HINT)
     if hub_offline() and not _in_hub_cache(ref):
