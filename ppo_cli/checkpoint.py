@@ -2,6 +2,11 @@
 
 A directory is written under a temporary name in the same folder and renamed into place when
 complete; its manifest (files, sizes, sha256) is the last file written.
+
+Layout of final/ and of checkpoints/step-N/: the policy at the top, as the hub expects a model
+repository (peft adapter files, or full transformers weights), with the tokenizer; the critic in
+critic/ (value_head.safetensors, and value_adapter/ or value_model/). Directories written before
+critic/ existed kept the critic files at the top; they still load.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from ppo_cli.runs import apply_default_modes, replace_directory, restore_replace
 
 MANIFEST = "manifest.json"
 INFO = "ppo_cli.json"
+CRITIC = "critic"
+VALUE_HEAD = "value_head.safetensors"
+MODEL_CARD = "README.md"
 
 
 def _sha256(path: Path) -> str:
@@ -49,21 +57,28 @@ def _save_adapter(ac: ActorCritic, adapter: str, target: Path) -> None:
 
 
 def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:
-    """Adapter (peft format) or full weights at the top of ``directory``, the critic beside them."""
+    """Adapter (peft format) or full weights at the top of ``directory``, the critic in critic/."""
+    critic = directory / CRITIC
+    critic.mkdir()
     if ac.is_peft:
         _save_adapter(ac, POLICY_ADAPTER, directory / "_policy")
         for item in (directory / "_policy").iterdir():
             shutil.move(str(item), directory / item.name)
         (directory / "_policy").rmdir()
         if ac.value_kind == "adapter":
-            _save_adapter(ac, VALUE_ADAPTER, directory / "value_adapter")
+            _save_adapter(ac, VALUE_ADAPTER, critic / "value_adapter")
     else:
         unwrap_causal_lm(ac.policy).save_pretrained(directory, safe_serialization=True)
     if ac.value_backbone is not None:
-        ac.value_backbone.save_pretrained(directory / "value_model", safe_serialization=True)
+        ac.value_backbone.save_pretrained(critic / "value_model", safe_serialization=True)
     head = {name: t.detach().contiguous().cpu() for name, t in ac.value_head.state_dict().items()}
-    save_file(head, directory / "value_head.safetensors")
+    save_file(head, critic / VALUE_HEAD)
     tokenizer.save_pretrained(directory)
+
+
+def critic_dir(directory: Path) -> Path:
+    """Where a checkpoint or final/ keeps its critic: critic/, or the top for directories written before it."""
+    return directory / CRITIC if (directory / CRITIC).is_dir() else directory
 
 
 @contextlib.contextmanager
@@ -84,23 +99,31 @@ def atomic_directory(target: Path, manifest_info: dict):
         raise
 
 
-def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dtype: torch.dtype | None = None) -> None:
-    """Write final/ atomically; with ``merge_dtype`` also final/merged/ (LoRA folded into the base)."""
+def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dtype: torch.dtype | None = None,
+               model_card: str | None = None) -> None:
+    """Write final/ atomically, with ``model_card`` as its README.md; with ``merge_dtype`` also
+    final/merged/ (the policy's base + info's policy_adapter + the trained LoRA, folded into plain weights)."""
     keeps = "the previous final/ (if any) and every checkpoint are intact"
     with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
         save_policy_and_value(ac, tokenizer, tmp)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
+        if model_card is not None:
+            (tmp / MODEL_CARD).write_text(model_card, encoding="utf-8")
         if merge_dtype is not None and ac.is_peft:
-            merge_adapter(info["policy_path"], tmp, tmp / "merged", merge_dtype, info.get("trust_remote_code", False))
+            merge_adapter(info["policy_path"], tmp, tmp / "merged", merge_dtype, info.get("trust_remote_code", False),
+                          base_adapter=info.get("policy_adapter"))
             tokenizer.save_pretrained(tmp / "merged")
 
 
-def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool) -> None:
-    """Reload the base unquantized (QLoRA too), apply the adapter, fold it in, save plain weights."""
+def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
+                  base_adapter: str | None = None) -> None:
+    """Reload the base unquantized (QLoRA too), merge ``base_adapter`` (the run's starting adapter) and
+    then the trained adapter into it, save plain weights."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    from ppo_cli.engine.models import load_causal_lm
+
+    base = load_causal_lm(base_path, base_adapter, dtype=dtype, device=torch.device("cpu"), trust_remote_code=trust_remote_code)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir, safe_serialization=True)
 
@@ -212,17 +235,18 @@ def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    critic = critic_dir(directory)
     if ac.is_peft:
         set_peft_model_state_dict(ac.policy, load_file(directory / "adapter_model.safetensors"), adapter_name=POLICY_ADAPTER)
         if ac.value_kind == "adapter":
-            state = load_file(directory / "value_adapter" / "adapter_model.safetensors")
+            state = load_file(critic / "value_adapter" / "adapter_model.safetensors")
             set_peft_model_state_dict(ac.policy, state, adapter_name=VALUE_ADAPTER)
     else:
-        weights = sorted(p for p in directory.glob("*.safetensors") if p.name != "value_head.safetensors")
+        weights = sorted(p for p in directory.glob("*.safetensors") if p.name != VALUE_HEAD)
         _load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
     if ac.value_backbone is not None:
-        _load_safetensors_into(ac.value_backbone, sorted((directory / "value_model").glob("*.safetensors")))
-    ac.value_head.load_state_dict(load_file(directory / "value_head.safetensors"))
+        _load_safetensors_into(ac.value_backbone, sorted((critic / "value_model").glob("*.safetensors")))
+    ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
 
 
 def restore_rng_state(state: dict) -> None:

@@ -54,6 +54,11 @@ class PolicyConfig(Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     dtype: Dtype = Field("float32", description="Weights and compute dtype.")
     quantization: Quantization = Field("none", description="4bit/8bit base weights (bitsandbytes); 4bit + lora is QLoRA.")
+    adapter: str | None = Field(
+        None,
+        description="A peft LoRA adapter (local directory or hub id), e.g. from SFT, merged into the base at load: "
+        "the PPO run starts from it and, unless reference.path is set, uses it as the reference too.",
+    )
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter; the reference is then the base with the adapter disabled.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     trust_remote_code: bool = Field(False, description="Run model code from the hub repository. Off unless you trust it.")

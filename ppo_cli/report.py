@@ -87,7 +87,8 @@ def _before_after(summary: dict):
     for name, justify in (("", "left"), ("before", "right"), ("after", "right"), ("change", "right")):
         table.add_column(name, justify=justify)
     for label, key, fmt, change in (("mean reward", "score", "{:+.3f}", "{:+.3f}"), ("EOS rate", "eos_rate", "{:.0%}", "{:+.0%}"),
-                                    ("response length", "response_length", "{:.1f}", "{:+.1f}")):
+                                    ("response length", "response_length", "{:.1f}", "{:+.1f}"),
+                                    ("KL to reference", "kl", "{:.3f}", "{:+.3f}")):
         if key in before and key in after:
             table.add_row(label, fmt.format(before[key]), fmt.format(after[key]), change.format(after[key] - before[key]))
     return table

@@ -345,6 +345,19 @@ def check_model_reference(path: str) -> None:
         )
 
 
+def check_adapter_reference(path: str, key: str = "policy.adapter") -> None:
+    """A peft adapter (``key`` in the recipe): a local directory with adapter_config.json, or a hub id."""
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "adapter_config.json").exists():
+        hint = "it holds a full model: set it as policy.path instead" if (local / "config.json").exists() else \
+            "point at a directory written by a peft model's save_pretrained (or a hub id)"
+        raise ModelReferenceError(f"{key} {path}: no adapter_config.json here, so it is not a peft adapter", hint=hint)
+    try:
+        check_model_reference(path)
+    except ModelReferenceError as err:
+        raise ModelReferenceError(f"{key}: {err.message}", hint=err.hint) from None
+
+
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub reads it (1, true, yes or on)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
@@ -382,7 +395,7 @@ MODEL_REFERENCE_HINT = (
     "a model is 'base' or 'aligned' (of --run DIR, default the latest run), a run or checkpoint directory, "
     "a local model directory, or a hub id"
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -397,6 +410,10 @@ class ResolvedModel:
     full_model_dir: Path | None = None
     recipe_path: Path | None = None  # the resolved recipe of the run the model belongs to
     run_dir: Path | None = None
+    # An adapter (the run's policy.adapter, e.g. from SFT) merged into ``base_path`` before anything
+    # else: the run's starting model is base + this adapter. Never set with ``full_model_dir``,
+    # whose weights already include it.
+    base_adapter: str | None = None
 
     @property
     def weights_path(self) -> str:
@@ -413,12 +430,13 @@ class ResolvedModel:
 
     def describe(self) -> str:
         """One line for people: 'aligned = runs/x/final (LoRA adapter on models/tiny/policy)'."""
+        base = self.base_path + (f" + adapter {self.base_adapter}" if self.base_adapter is not None else "")
         if self.adapter_dir is not None:
-            where = f"{self.adapter_dir} (LoRA adapter on {self.base_path})"
+            where = f"{self.adapter_dir} (LoRA adapter on {base})"
         elif self.full_model_dir is not None:
             where = f"{self.full_model_dir} (fine-tuned from {self.base_path})"
         else:
-            where = self.base_path + (" (hub)" if self.kind == "hub" else "")
+            where = base + (" (hub)" if self.kind == "hub" else "")
         return where if self.reference == where else f"{self.reference} = {where}"
 
 
@@ -463,6 +481,23 @@ def run_policy_path(run: Path) -> str:
         raise ModelReferenceError(f"{RunDir(run).recipe}: cannot read policy.path from the run's recipe") from None
 
 
+def run_policy_adapter(run: Path) -> str | None:
+    """The adapter merged into a run's policy at load (policy.adapter), or None: final/ppo_cli.json's
+    policy_adapter when final/ exists, else the run's recipe."""
+    info = RunDir(run).final / "ppo_cli.json"
+    if info.exists():
+        try:
+            data = json.loads(info.read_text(encoding="utf-8"))
+            if "policy_path" in data:  # a final/ saved before policy.adapter existed had none
+                return data.get("policy_adapter")
+        except (ValueError, TypeError):
+            pass
+    try:
+        return yaml.safe_load(RunDir(run).recipe.read_text(encoding="utf-8"))["policy"].get("adapter")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+        return None
+
+
 def _owning_run(directory: Path) -> Path | None:
     """The run a final/, final/merged/ or checkpoints/step-N/ directory belongs to."""
     if directory.name in ("", ".", ".."):  # keep paths as the user wrote them, unless they say nothing
@@ -479,7 +514,8 @@ def _owning_run(directory: Path) -> Path | None:
 def _resolve_alias(ref: str, run_dir: str | Path | None, output_root: str | Path) -> ResolvedModel:
     run = open_run(run_dir) if run_dir is not None else latest_run(output_root)
     if ref == "base":
-        return ResolvedModel(ref, "base", run_policy_path(run), recipe_path=RunDir(run).recipe, run_dir=run)
+        return ResolvedModel(ref, "base", run_policy_path(run), recipe_path=RunDir(run).recipe, run_dir=run,
+                             base_adapter=run_policy_adapter(run))
     return _resolve_directory(ref, run, "aligned")
 
 
@@ -496,8 +532,10 @@ def _resolve_directory(ref: str, directory: Path, kind: str | None = None) -> Re
     recipe_path = RunDir(run).recipe if run is not None else None
     if (directory / "adapter_config.json").exists():
         base = run_policy_path(run) if run is not None else _adapter_base(directory)
+        base_adapter = run_policy_adapter(run) if run is not None else _final_info(directory).get("policy_adapter")
         kind = kind or ("checkpoint" if directory.parent.name == "checkpoints" else "aligned")
-        return ResolvedModel(ref, kind, base, adapter_dir=directory, recipe_path=recipe_path, run_dir=run)
+        return ResolvedModel(ref, kind, base, adapter_dir=directory, recipe_path=recipe_path, run_dir=run,
+                             base_adapter=base_adapter)
     if (directory / "config.json").exists():
         if run is None:
             return ResolvedModel(ref, "model", str(directory))
@@ -506,6 +544,16 @@ def _resolve_directory(ref: str, directory: Path, kind: str | None = None) -> Re
     raise ModelReferenceError(
         f"{ref}: not a model, run or checkpoint directory (no config.json or adapter_config.json)", hint=MODEL_REFERENCE_HINT
     )
+
+
+def _final_info(directory: Path) -> dict:
+    """ppo_cli.json of a final/ directory (empty when absent or unreadable): a final/ copied out of
+    its run still says which adapter its base had merged in."""
+    try:
+        data = json.loads((directory / "ppo_cli.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _adapter_base(adapter_dir: Path) -> str:
@@ -537,7 +585,7 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
     if looks_like_local_path(ref):
         raise ModelReferenceError(f"model directory not found: {ref}", hint="check the path (relative to the current directory)")
     close = difflib.get_close_matches(ref, MODEL_ALIASES, n=1, cutoff=0.6)
-    if close or not _HUB_ID.match(ref):
+    if close or not HUB_ID.match(ref):
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ModelReferenceError(f"unknown model reference '{ref}'", hint=hint + MODEL_REFERENCE_HINT)
     if hub_offline() and not _in_hub_cache(ref):

@@ -60,3 +60,23 @@ def architecture_models() -> Path:
     if not (out / "families.json").exists():
         architectures.build_all(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def sft_adapter(tiny_models, tmp_path_factory) -> Path:
+    """A peft LoRA adapter on the tiny policy, as supervised fine-tuning would leave it: B weights
+    non-zero (a fresh adapter's are zero and would change nothing), saved with save_pretrained."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_models / "policy", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    out = tmp_path_factory.mktemp("sft") / "adapter"
+    model.save_pretrained(out)
+    return out

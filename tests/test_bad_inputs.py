@@ -141,6 +141,9 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("policy-dir-without-config", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp)))], "no config.json"),
     ("policy-hub-id-offline", lambda e: ["train", e.recipe(_edit("policy.path", "Qwen/Qwen2.5-1.5B"))], "hub is offline"),
     ("policy-weights-corrupt", lambda e: ["train", e.recipe(_edit("policy.path", e.corrupt_model("policy")))], "cannot load"),
+    ("adapter-dir-missing", lambda e: ["train", e.recipe()] + _set(f"policy.adapter={e.tmp / 'no-adapter'}"), "policy.adapter: model directory not found"),
+    ("adapter-dir-is-a-model", lambda e: ["validate", e.recipe()] + _set(f"policy.adapter={e.models / 'policy'}"), "no adapter_config.json here, so it is not a peft adapter"),
+    ("adapter-hub-id-offline", lambda e: ["validate", e.recipe()] + _set("policy.adapter=someone/sft-adapter"), "policy.adapter: model 'someone/sft-adapter' is not a local directory"),
     ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "model directory not found"),
     ("reward-labels-unknown", lambda e: ["train", e.recipe(_edit("reward.components.0.labels", {"happy": 1.0}))], "has no label(s) happy"),
     # --- reward functions ---

@@ -291,3 +291,25 @@ def test_one_rule_tells_a_local_path_from_a_hub_id(ref, local):
     from ppo_cli.runs import looks_like_local_path
 
     assert looks_like_local_path(ref) is local
+
+
+def test_policy_adapter_of_a_run_goes_with_base_and_adapter_models_but_not_full_weights(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lora = make_run(tmp_path / "runs", "lora")
+    info = json.loads((lora / "final" / "ppo_cli.json").read_text())
+    (lora / "final" / "ppo_cli.json").write_text(json.dumps({**info, "policy_adapter": "sft/adapter"}))
+    assert resolve_model_reference("base", lora).base_adapter == "sft/adapter"
+    assert resolve_model_reference("aligned", lora).base_adapter == "sft/adapter"
+    assert resolve_model_reference("base", lora).describe() == "base = models/base-lora + adapter sft/adapter"
+    # A final/ copied out of its run still knows the adapter under its base.
+    (tmp_path / "copied").mkdir()
+    for item in (lora / "final").iterdir():
+        (tmp_path / "copied" / item.name).write_bytes(item.read_bytes())
+    copied = resolve_model_reference("copied")
+    assert (copied.base_path, copied.base_adapter) == ("somewhere/else", "sft/adapter")
+    # Before final/ exists, the run's recipe says it; full weights already hold the adapter.
+    full = make_run(tmp_path / "runs", "full", lora=False, final=False)
+    (full / "recipe.yaml").write_text("name: full\npolicy:\n  path: models/base-full\n  adapter: sft/adapter\n")
+    assert resolve_model_reference("base", full).base_adapter == "sft/adapter"
+    checkpoint = resolve_model_reference(str(full / "checkpoints" / "step-000002"))
+    assert checkpoint.full_model_dir is not None and checkpoint.base_adapter is None

@@ -47,14 +47,16 @@ def peak_memory_gb() -> float:
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
     from ppo_cli.engine.data import read_prompts
-    from ppo_cli.runs import check_model_reference
     from ppo_cli.engine.rewards import load_reward_function
+    from ppo_cli.runs import check_adapter_reference, check_model_reference
 
     prompts = read_prompts(recipe.data.prompts, recipe.data.field).prompts
     eval_prompts = read_prompts(recipe.data.eval_prompts, recipe.data.field).prompts if recipe.data.eval_prompts else []
     for path in [recipe.policy.path, recipe.reference.path, recipe.value.path]:
         if path:
             check_model_reference(path)
+    if recipe.policy.adapter:
+        check_adapter_reference(recipe.policy.adapter)
     for component in recipe.reward.components:
         if component.type == "function":
             load_reward_function(component.function)
@@ -153,18 +155,23 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 def evaluate(engine, prompts: list[str], seed: int) -> dict:
-    """Mean score, EOS rate and length on held-out prompts, sampled with a fixed seed."""
+    """Mean score, EOS rate, length and KL to the reference (summed over each response, as `ppo eval`
+    reports it) on held-out prompts, sampled with a fixed seed."""
     import torch
+
+    from ppo_cli.commands.rollout import sequence_kl
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         generation = engine.generate(prompts)
         responses = engine.decode_responses(generation)
         result = engine.score(prompts, responses, generation)
+        kl = sequence_kl(engine, generation)
     return {
         "score": sum(result.scores) / len(result.scores),
         "eos_rate": generation.finished.float().mean().item(),
         "response_length": generation.response_lengths.float().mean().item(),
+        "kl": kl.mean().item(),
         "samples": [
             {"prompt": p, "response": r, "score": s, "finished": bool(f)}
             for p, r, s, f in zip(prompts, responses, result.scores, generation.finished.tolist())
@@ -286,24 +293,27 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     from ppo_cli import report
     from ppo_cli.checkpoint import save_final
     from ppo_cli.engine.models import resolve_dtype
+    from ppo_cli.model_card import render_model_card
     from ppo_cli.runs import atomic_write_text
 
     recipe, engine = state.recipe, state.engine
     after = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
+    numbers = {when: {k: v for k, v in (result or {}).items() if k != "samples"} for when, result in
+               (("before", before), ("after", after))}
     info = {
-        "policy_path": recipe.policy.path, "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
+        "name": recipe.name, "policy_path": recipe.policy.path, "policy_adapter": recipe.policy.adapter,
+        "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
         "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
     }
+    card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])
     merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
-    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype)
+    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card)
     if before is not None:
         atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
     summary = {
         "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step,
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
-        "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(),
-        "before": {k: v for k, v in (before or {}).items() if k != "samples"},
-        "after": {k: v for k, v in (after or {}).items() if k != "samples"},
+        "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
     if observer is not None:
         summary.update(observer.finish(summary))  # learning-curve plot, warnings, files

@@ -30,7 +30,7 @@ def check_recipe_files(recipe: Recipe) -> None:
     reward function is not imported here: its module's code runs only when training asks for it."""
     from ppo_cli.engine.data import read_prompts
     from ppo_cli.errors import RewardFunctionError
-    from ppo_cli.runs import check_model_reference
+    from ppo_cli.runs import check_adapter_reference, check_model_reference
 
     for prompts in (recipe.data.prompts, recipe.data.eval_prompts):
         if prompts:
@@ -38,6 +38,8 @@ def check_recipe_files(recipe: Recipe) -> None:
     for path in (recipe.policy.path, recipe.reference.path, recipe.value.path):
         if path:
             check_model_reference(path)
+    if recipe.policy.adapter:
+        check_adapter_reference(recipe.policy.adapter)
     for component in recipe.reward.components:
         if component.type != "function":
             check_model_reference(component.path)

@@ -9,6 +9,7 @@ model. Frozen models can be 4-bit/8-bit through bitsandbytes.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
 from ppo_cli.recipe import LoraConfig, Recipe
-from ppo_cli.runs import check_model_reference, hub_offline
+from ppo_cli.runs import check_adapter_reference, check_model_reference, hub_offline
 
 POLICY_ADAPTER = "policy"
 VALUE_ADAPTER = "value"
@@ -100,6 +101,49 @@ def load_pretrained(
         model.to(device)
     disable_dropout(model)
     return model
+
+
+def load_causal_lm(path: str, adapter: str | None, *, dtype: torch.dtype, device: torch.device,
+                   quantization: str = "none", **kwargs):
+    """A causal LM from ``path`` with the peft LoRA ``adapter`` (e.g. an SFT result) merged into its weights.
+
+    Merging into 4/8-bit weights would add the LoRA delta to already-rounded weights (peft warns of
+    rounding errors), so a quantized model is loaded in ``dtype``, merged, saved to a temporary
+    directory and loaded again quantized: the weights are those of quantizing base + adapter, as if
+    the merged model had been saved and loaded quantized. This needs the full-precision model in
+    memory and on disk once, while loading.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if adapter is None:
+        return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, device=device, quantization=quantization, **kwargs)
+    base = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, device=device, **kwargs)
+    merged = merge_adapter_into(base, adapter, path)
+    if quantization == "none":
+        return merged
+    with tempfile.TemporaryDirectory(prefix="ppo-merged-") as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        del merged, base
+        kwargs.pop("revision", None)  # the revision named the base on the hub, not this directory
+        model = load_pretrained(AutoModelForCausalLM, tmp, dtype=dtype, device=device, quantization=quantization, **kwargs)
+    model.config._name_or_path = path  # not the deleted temporary directory
+    return model
+
+
+def merge_adapter_into(model: nn.Module, adapter: str, base_path: str) -> nn.Module:
+    """``model`` with the peft adapter at ``adapter`` folded into its weights (a plain transformers model again)."""
+    from peft import PeftModel
+
+    check_adapter_reference(adapter)
+    try:
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        hint = _hub_hint(adapter) if isinstance(err, OSError) else \
+            "the adapter must have been trained on this base model (policy.path)"
+        raise ModelLoadError(f"cannot apply adapter '{adapter}' (policy.adapter) to '{base_path}': {first_line(err)}",
+                             hint=hint) from err
+    disable_dropout(merged)
+    return merged
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -257,12 +301,12 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     ``loaded``: sequence-classification models already in memory (the reward's), by path. A frozen
     value model on one of them (value.train_backbone: false) shares its weights instead of a copy.
     """
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel
 
     pol = recipe.policy
     dtype = resolve_dtype(pol.dtype, device)
     common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
-    policy = load_pretrained(AutoModelForCausalLM, pol.path, dtype=dtype, quantization=pol.quantization, **common)
+    policy = load_causal_lm(pol.path, pol.adapter, dtype=dtype, quantization=pol.quantization, **common)
     if pol.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if pol.lora is not None:
@@ -271,6 +315,9 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
         if pol.quantization != "none":
             policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
         policy = get_peft_model(policy, _peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
+        # What adapter_config.json names as the base: the path or hub id as the recipe gave it, never
+        # a path resolved on this machine (nor a temporary directory the merged model came from).
+        policy.peft_config[POLICY_ADAPTER].base_model_name_or_path = pol.path
     # Train mode everywhere on the policy (dropout is already off): bitsandbytes repacks 4-bit weights
     # after a no-grad forward in eval mode and then breaks the backward.
     policy.train()
@@ -278,8 +325,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     ref_model = None
     if pol.lora is None or recipe.reference.path is not None:
         ref = recipe.reference
-        ref_model = load_pretrained(
-            AutoModelForCausalLM, ref.path or pol.path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
+        ref_model = load_causal_lm(
+            ref.path or pol.path, None if ref.path else pol.adapter, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
             quantization=ref.quantization, **common,
         )
         freeze(ref_model)
@@ -289,6 +336,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     hidden = hidden_size_of(policy)
     if kind == "adapter":
         policy.add_adapter(VALUE_ADAPTER, _peft_lora_config(recipe.value.lora or pol.lora))
+        policy.peft_config[VALUE_ADAPTER].base_model_name_or_path = pol.path
         for name, param in policy.named_parameters():  # add_adapter leaves the inactive adapter frozen
             if "lora_" in name:
                 param.requires_grad_(True)
@@ -299,6 +347,9 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
         shared = (loaded or {}).get(value_path)
         if frozen and shared is not None and shared.dtype == value_dtype and not is_quantized(shared):
             value_backbone, init_from = shared.base_model, shared  # the reward model itself: no second copy
+        elif value_path == pol.path and pol.adapter is not None:  # the critic starts from the starting policy
+            value_backbone = load_causal_lm(pol.path, pol.adapter, dtype=value_dtype, **common).base_model
+            value_backbone.train()
         else:
             value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
             value_backbone.train()

@@ -29,7 +29,7 @@ from ppo_cli.engine.models import (
     disable_dropout,
     freeze,
     is_quantized,
-    load_pretrained,
+    load_causal_lm,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
@@ -285,6 +285,10 @@ def _same_model(a: str, b: str) -> bool:
     return a == b
 
 
+def _same_adapter(a: str | None, b: str | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and _same_model(a, b)
+
+
 def load_reward_stack(recipe: Recipe) -> RewardStack:
     """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`)."""
     quiet_libraries()
@@ -295,13 +299,12 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     """An Engine for sampling and log-probs from ``model`` with the recipe's tokenizer options,
     generation settings and reference; ``reward`` is kept as given (None when only sampling).
 
-    The weights are ``model.weights_path`` (+ the LoRA adapter, loaded as the ``policy`` adapter);
-    the reference is the recipe's (``reference.path``, else ``policy.path``): the same base with the
-    adapter disabled when it is the adapter's base, the policy itself when it is the same model,
-    otherwise a separate frozen copy.
+    The weights are ``model.weights_path`` with ``model.base_adapter`` merged in (+ the LoRA adapter,
+    loaded as the ``policy`` adapter); the reference is the recipe's (``reference.path``, else
+    ``policy.path`` with ``policy.adapter`` merged in): the same base with the adapter disabled when
+    it is the adapter's base, the policy itself when it is the same model, otherwise a separate
+    frozen copy.
     """
-    from transformers import AutoModelForCausalLM
-
     quiet_libraries()
     device = resolve_device(recipe.train.device)
     if recipe.train.num_threads:
@@ -312,22 +315,24 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     tokenizer = load_tokenizer(model.tokenizer_path, trust_remote_code=pol.trust_remote_code,
                                revision=revision if model.tokenizer_path == pol.path else None)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
-    policy = load_pretrained(AutoModelForCausalLM, model.weights_path, dtype=resolve_dtype(pol.dtype, device),
-                             quantization=pol.quantization, revision=revision, **common)
+    policy = load_causal_lm(model.weights_path, model.base_adapter, dtype=resolve_dtype(pol.dtype, device),
+                            quantization=pol.quantization, revision=revision, **common)
     if model.adapter_dir is not None:
         policy = _load_adapter(policy, model.adapter_dir)
     freeze(policy)
 
     reference_path = recipe.reference.path or pol.path
+    reference_adapter = None if recipe.reference.path else pol.adapter
+    same_start = _same_adapter(reference_adapter, model.base_adapter)
     ref_model, reference_is_policy = None, False
-    if model.adapter_dir is not None and _same_model(reference_path, model.base_path):
+    if model.adapter_dir is not None and same_start and _same_model(reference_path, model.base_path):
         pass  # the base with the adapter disabled, as in training
-    elif model.adapter_dir is None and _same_model(reference_path, model.weights_path):
+    elif model.adapter_dir is None and same_start and _same_model(reference_path, model.weights_path):
         reference_is_policy = True
     else:
         ref = recipe.reference
-        ref_model = load_pretrained(
-            AutoModelForCausalLM, reference_path, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
+        ref_model = load_causal_lm(
+            reference_path, reference_adapter, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
             quantization=ref.quantization, revision=pol.revision if reference_path == pol.path else None, **common,
         )
         freeze(ref_model)

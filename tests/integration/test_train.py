@@ -62,9 +62,11 @@ def test_run_directory_holds_metrics_samples_recipe_and_final(demo_run):
     assert {s["step"] for s in samples} >= {1, 10, 20}
     assert set(samples[0]) == {"step", "prompt", "response", "score", "finished"}
     final = demo_run / "final"
-    for name in ("adapter_config.json", "adapter_model.safetensors", "value_head.safetensors",
-                 "value_adapter/adapter_config.json", "tokenizer.json", "manifest.json", "merged/config.json"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "critic/value_head.safetensors",
+                 "critic/value_adapter/adapter_config.json", "tokenizer.json", "manifest.json", "merged/config.json",
+                 "README.md"):
         assert (final / name).exists(), name
+    assert "KL to the reference" in (final / "README.md").read_text()  # the demo sets eval_prompts
 
 
 def test_final_adapter_loads_with_peft_and_merged_model_matches_it(demo_run):
