@@ -61,6 +61,10 @@ class PolicyConfig(Section):
     )
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter; the reference is then the base with the adapter disabled.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="Attention kernel of the policy, reference and value model: auto is transformers' choice for "
+        "the architecture (sdpa where it is supported); flash_attention_2 needs a CUDA GPU and the flash-attn package.",
+    )
     trust_remote_code: bool = Field(False, description="Run model code from the hub repository. Off unless you trust it.")
 
     @model_validator(mode="after")

@@ -83,10 +83,16 @@ def load_pretrained(
     revision: str | None = None,
     **kwargs,
 ):
-    """``auto_class.from_pretrained`` with our safety defaults: safetensors only, no remote code unless asked."""
+    """``auto_class.from_pretrained`` with our safety defaults: safetensors only, no remote code unless asked.
+    ``attn_implementation`` 'auto' (or None) leaves the choice to transformers."""
     check_model_reference(path)
     quant_config = _quantization_config(quantization, dtype)
     load_kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, use_safetensors=True, **kwargs)
+    if load_kwargs.get("attn_implementation") in (None, "auto"):
+        load_kwargs.pop("attn_implementation", None)
+    elif load_kwargs["attn_implementation"] == "flash_attention_2" and device.type != "cuda":
+        raise ModelLoadError(f"policy.attn_implementation flash_attention_2 needs a CUDA GPU, and this run is on {device.type}",
+                             hint="set policy.attn_implementation: auto (or sdpa)")
     if quant_config is not None:
         load_kwargs.update(quantization_config=quant_config, device_map={"": device})
     try:
@@ -305,7 +311,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
 
     pol = recipe.policy
     dtype = resolve_dtype(pol.dtype, device)
-    common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
+    common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision,
+                  attn_implementation=pol.attn_implementation)
     policy = load_causal_lm(pol.path, pol.adapter, dtype=dtype, quantization=pol.quantization, **common)
     if pol.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

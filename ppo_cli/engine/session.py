@@ -311,7 +311,7 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
         torch.set_num_threads(recipe.train.num_threads)
     pol = recipe.policy
     revision = pol.revision if model.weights_path == pol.path else None
-    common = dict(device=device, trust_remote_code=pol.trust_remote_code)
+    common = dict(device=device, trust_remote_code=pol.trust_remote_code, attn_implementation=pol.attn_implementation)
     tokenizer = load_tokenizer(model.tokenizer_path, trust_remote_code=pol.trust_remote_code,
                                revision=revision if model.tokenizer_path == pol.path else None)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)

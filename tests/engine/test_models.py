@@ -199,3 +199,19 @@ def test_value_model_on_another_tokenizer_is_refused_before_loading(tiny_models,
     assert err.value.message == (
         f"value model '{other}' has a different tokenizer from the policy's, but reads the policy's token ids"
     )
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_attn_implementation_reaches_every_model_of_the_policy(make_engine, attn):
+    engine = make_engine(**{"policy.attn_implementation": attn, "value.kind": "model"})
+    ac = engine.actor_critic
+    for model in (unwrap_causal_lm(ac.policy), ac.value_backbone):
+        assert model.config._attn_implementation == attn
+
+
+def test_flash_attention_on_cpu_is_one_line(make_engine):
+    from ppo_cli.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="flash_attention_2 needs a CUDA GPU, and this run is on cpu") as err:
+        make_engine(**{"policy.attn_implementation": "flash_attention_2", "train.device": "cpu"})
+    assert err.value.hint == "set policy.attn_implementation: auto (or sdpa)"
