@@ -96,7 +96,7 @@ def test_value_head_on_policy_backbone_gives_values_from_the_same_forward(make_e
 
 
 def test_qlora_rollout_reference_then_training_step(make_engine):
-    """Platform notes: a 4-bit layer in eval mode repacks after a no-grad forward and breaks the backward."""
+    """bitsandbytes: a 4-bit layer in eval mode repacks after a no-grad forward and breaks the backward."""
     pytest.importorskip("bitsandbytes")
     engine = make_engine(**{"policy.quantization": "4bit"})
     before = _snapshot(engine.actor_critic)
@@ -215,3 +215,23 @@ def test_flash_attention_on_cpu_is_one_line(make_engine):
     with pytest.raises(ModelLoadError, match="flash_attention_2 needs a CUDA GPU, and this run is on cpu") as err:
         make_engine(**{"policy.attn_implementation": "flash_attention_2", "train.device": "cpu"})
     assert err.value.hint == "set policy.attn_implementation: auto (or sdpa)"
+
+
+def test_8bit_adamw_trains_a_full_finetune_and_its_state_reloads_safely(make_engine, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto", "optim.name": "adamw_8bit"})
+    state = init_state(engine, PROMPTS)
+    optimizer = getattr(state.optimizer, "optimizer", state.optimizer)  # accelerate wraps it
+    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+    before = _snapshot(engine.actor_critic.policy)
+    train_step(state)
+    assert _changed(before, engine.actor_critic.policy)
+    big = max(engine.actor_critic.policy_parameters(), key=lambda p: p.numel())
+    moment = optimizer.state[big]["state1"].clone()
+    assert moment.dtype == torch.uint8  # 1 byte per moment
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    optimizer.state.clear()
+    optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))  # as checkpoints load
+    assert torch.equal(optimizer.state[big]["state1"], moment)
