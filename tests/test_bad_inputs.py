@@ -132,7 +132,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("prompts-blank-lines-only", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", "\n  \n\n")))], "no prompts"),
     ("prompts-not-utf8", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", NOT_UTF8)))], "not UTF-8"),
     ("prompts-jsonl-not-object", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '["a"]\n')))], "expected a JSON object"),
-    ("prompts-jsonl-missing-field", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"text": "a"}\n')))], "no 'prompt' field"),
+    ("prompts-jsonl-missing-field", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"text": "a"}\n')))], "no 'prompt' or 'messages' field"),
     ("prompts-jsonl-invalid-json", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"prompt": \n')))], "not valid JSON"),
     ("eval-prompts-missing", lambda e: ["train", e.recipe(_edit("data.eval_prompts", str(e.tmp / "none.txt")))], "prompts file not found"),
     # --- model paths ---

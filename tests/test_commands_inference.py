@@ -282,7 +282,7 @@ def _bad(ws: Workspace, tmp_path: Path, name: str, content: bytes | str) -> Path
         ("empty.txt", "\n  \n", "error: {path}: no prompts in this file"),
         ("latin1.txt", b"caf\xe9 prompt\n", "error: {path}: not UTF-8 text (byte 3)"),
         ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "error: {path}:2: expected a JSON object, got list"),
-        ("nofield.jsonl", '{"text": "a"}\n', "error: {path}:1: no 'prompt' field (fields: text)"),
+        ("nofield.jsonl", '{"text": "a"}\n', "error: {path}:1: no 'prompt' or 'messages' field (fields: text)"),
     ],
 )
 def test_bad_prompts_files_get_one_line_and_no_output(ws: Workspace, tmp_path: Path, name, content, message):
