@@ -102,8 +102,9 @@ def _checked_message(message, index: int, column: str, where: str) -> Message:
     if not isinstance(message, dict):
         raise DataError(f"{at}: expected a {{role, content}} object, got {type(message).__name__}")
     for key in ("role", "content"):
-        if key not in message:
-            raise DataError(f"{at}: no '{key}' (keys: {', '.join(sorted(map(str, message))) or 'none'})")
+        if message.get(key) is None:  # parquet gives every message each key of the column, null where absent
+            keys = sorted(str(k) for k, v in message.items() if v is not None)
+            raise DataError(f"{at}: no '{key}' (keys: {', '.join(keys) or 'none'})")
         if not isinstance(message[key], str):
             hint = "content parts (lists of {type, text}) are not supported: join them into one string" if key == "content" else None
             raise DataError(f"{at}: '{key}' must be a string, got {type(message[key]).__name__}", hint=hint)
