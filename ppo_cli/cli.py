@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from ppo_cli import __version__
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, DataError, PpoError, UsageError, first_line
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError, first_line
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -207,10 +207,10 @@ ModelArg = Annotated[
 ]
 PromptsOpt = Annotated[
     Optional[Path],
-    typer.Option("--prompts", help="Prompts: .txt (one per line), .jsonl or a dataset directory. "
-                 "Default: the recipe's data.eval_prompts, else data.prompts.", show_default=False),
+    typer.Option("--prompts", help="Prompts: .txt (one per line), .jsonl, .parquet, .csv, .json, a dataset directory or a "
+                 "hub dataset id. Default: the recipe's data.eval_prompts, else data.prompts.", show_default=False),
 ]
-FieldOpt = Annotated[Optional[str], typer.Option("--field", help="Prompt field of .jsonl rows. Default: the recipe's data.field.", show_default=False)]
+FieldOpt = Annotated[Optional[str], typer.Option("--field", help="Prompt column of .jsonl / dataset rows. Default: the recipe's data.field, else 'prompt', else 'messages'.", show_default=False)]
 RunOpt = Annotated[
     Optional[Path],
     typer.Option("--run", help="Run directory that base/aligned refer to. Default: the most recently modified run "
@@ -367,12 +367,11 @@ def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, t
 
 def _prompts(path, field, recipe) -> tuple[list[str], str]:
     from ppo_cli import report
-    from ppo_cli.engine.data import read_prompts  # no torch: data.py reads files only
+    from ppo_cli.engine.data import read_recipe_prompts  # no torch, and `datasets` only for datasets
 
-    if path is not None and not path.exists():
-        raise DataError(f"prompts file not found: {path}", hint="check --prompts (relative to the current directory)")
-    path = path or recipe.data.eval_prompts or recipe.data.prompts
-    prompt_set = read_prompts(path, field or recipe.data.field)
+    which = "eval_prompts" if path is None and recipe.data.eval_prompts else "prompts"
+    prompt_set = read_recipe_prompts(recipe.data, which, source=path, field_name=field)
+    path = path or getattr(recipe.data, which)
     if prompt_set.skipped_blank:
         n = prompt_set.skipped_blank
         report.note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")

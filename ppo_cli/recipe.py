@@ -120,6 +120,11 @@ class ModelReward(Section):
     dtype: Dtype = Field("float32", description="Weights and compute dtype of the reward model.")
     quantization: Quantization = Field("none", description="4bit/8bit frozen weights (bitsandbytes).")
     trust_remote_code: bool = Field(False, description="Run model code from the hub repository. Off unless you trust it.")
+    text: Literal["prompt_and_response", "conversation"] = Field(
+        "prompt_and_response",
+        description="What the reward model reads: the prompt text followed by the response, or the conversation "
+        "(prompt messages + the response as the assistant turn) in the reward model's own chat template.",
+    )
     max_length: int = Field(512, gt=0, description="Truncate prompt+response to this many reward-model tokens.")
     batch_size: int = Field(32, gt=0, description="Sequences per reward-model forward.")
 
@@ -132,7 +137,11 @@ class ClassifierReward(Section):
     mode: Literal["dominant", "expected"] = Field(
         "dominant", description="dominant: the argmax label's value; expected: sum of p(label) * value."
     )
-    text: Literal["response", "prompt_and_response"] = Field("response", description="What the classifier reads.")
+    text: Literal["response", "prompt_and_response", "conversation"] = Field(
+        "response",
+        description="What the classifier reads; conversation: prompt messages + the response as the assistant "
+        "turn in the classifier's own chat template.",
+    )
     weight: float = Field(1.0, description="Multiplies this component's score in the weighted sum.")
     dtype: Dtype = Field("float32", description="Weights and compute dtype of the classifier.")
     quantization: Quantization = Field("none", description="4bit/8bit frozen weights (bitsandbytes).")
@@ -176,11 +185,30 @@ class RewardConfig(Section):
 
 
 class DataConfig(Section):
-    prompts: str = Field(..., description="Prompts: a .txt file (one per line), a .jsonl file, or a dataset directory.")
-    field: str = Field("prompt", description="The prompt field in .jsonl / dataset rows.")
-    eval_prompts: str | None = Field(None, description="Held-out prompts for before/after evaluation.")
-    max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
-    chat_template: bool = Field(False, description="Wrap each prompt as a user turn with the tokenizer's chat template.")
+    prompts: str = Field(
+        ...,
+        description="Prompts: a .txt file (one per line), a .jsonl, .parquet, .csv or .json file, a dataset directory "
+        "(save_to_disk) or a hub dataset id 'org/name'. Rows are strings or conversations (lists of {role, content}).",
+    )
+    field: str | None = Field(
+        None, description="The prompt column of .jsonl / dataset rows. Default: 'prompt', else 'messages' (TRL's names)."
+    )
+    split: str = Field("train", description="Split of a hub dataset or saved DatasetDict read for data.prompts.")
+    eval_split: str = Field("test", description="Split of a hub dataset or saved DatasetDict read for data.eval_prompts.")
+    subset: str | None = Field(None, description="Subset (configuration) of a hub dataset, e.g. 'default'.")
+    eval_prompts: str | None = Field(None, description="Held-out prompts for before/after evaluation (same formats).")
+    max_prompt_tokens: int = Field(
+        64, gt=0,
+        description="Plain-text prompts are truncated from the left; a conversation loses the start of its last user "
+        "message, never the template, system prompt or earlier turns.",
+    )
+    chat_template: bool = Field(
+        False, description="Wrap each string prompt as a user turn with the tokenizer's chat template "
+        "(conversation rows always use it).",
+    )
+    system_prompt: str | None = Field(
+        None, description="A system turn before each prompt (a row's own system turn wins); implies the chat template."
+    )
     shuffle: bool = Field(True, description="Shuffle the prompts each pass (seeded).")
 
 

@@ -196,6 +196,13 @@ def print_eval(summary: dict, out: str | None = None) -> None:
         _say(f"wrote {out}")
 
 
+def prompt_text(prompt) -> str:
+    """A prompt for people: the text, or a conversation as 'role: content' lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
 def compare_table(a: dict, b: dict, pairs: list[dict]) -> Table:
     """Seed 003's "Base vs Aligned" table: the prompt, then each model's response, reward and EOS."""
     table = Table(title=Text(f"A = {a['model']}   B = {b['model']}"), header_style="bold", show_lines=True,
@@ -206,7 +213,7 @@ def compare_table(a: dict, b: dict, pairs: list[dict]) -> Table:
         table.add_column("reward", justify="right", no_wrap=True)
         table.add_column("EOS", no_wrap=True)
     for pair in pairs:
-        table.add_row(Text(pair["prompt"]), Text(pair["a_response"].strip()), _signed(pair["a_reward"]),
+        table.add_row(Text(prompt_text(pair["prompt"])), Text(pair["a_response"].strip()), _signed(pair["a_reward"]),
                       _eos(pair["a_finished"]), Text(pair["b_response"].strip()), _signed(pair["b_reward"]),
                       _eos(pair["b_finished"]))
     return table
@@ -271,7 +278,7 @@ def compare_markdown(a: dict, b: dict, difference: dict, pairs: list[dict]) -> s
               f"| Prompt | A: {_md(a['model'])} | reward | EOS | B: {_md(b['model'])} | reward | EOS |",
               "| --- | --- | ---: | --- | --- | ---: | --- |"]
     for p in pairs:
-        cells = [p["prompt"], p["a_response"].strip(), _signed(p["a_reward"]), _eos(p["a_finished"]),
+        cells = [prompt_text(p["prompt"]), p["a_response"].strip(), _signed(p["a_reward"]), _eos(p["a_finished"]),
                  p["b_response"].strip(), _signed(p["b_reward"]), _eos(p["b_finished"])]
         lines.append(f"| {' | '.join(_md(cell) for cell in cells)} |")
     return "\n".join(lines) + "\n"

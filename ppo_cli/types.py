@@ -37,7 +37,7 @@ class Rollout(NamedTuple):
     """One PPO batch: what the policy did and what it was worth, all frozen (no grad)."""
 
     generation: Generation
-    prompts: list[str]
+    prompts: list  # (B,) as read: a string, or a conversation (list of {role, content} messages)
     responses: list[str]
     logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling

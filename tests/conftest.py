@@ -80,3 +80,30 @@ def sft_adapter(tiny_models, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sft") / "adapter"
     model.save_pretrained(out)
     return out
+
+
+# A Llama-3-like template: it writes the BOS itself, so tokenising its text with special tokens added
+# again would give two BOS tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    """A byte-level BPE tokenizer that adds a BOS to plain text (as Llama's does) and has CHAT_TEMPLATE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<s>", "</s>", "<pad>", "<|start|>", "<|end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "system user assistant"] * 10, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

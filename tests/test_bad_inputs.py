@@ -102,6 +102,14 @@ def _edit(path: str, value) -> Callable[[dict], None]:
 
 
 _DELETE = object()
+CSV_WITHOUT_QUESTION = "text,id\na,1\n"
+CONVERSATION_ROW = '{"prompt": [{"role": "user", "content": "hi"}]}\n'
+
+
+def _both(*edits: Callable[[dict], None]) -> Callable[[dict], None]:
+    return lambda data: [edit(data) for edit in edits] and None
+
+
 NOT_UTF8 = "I think the book was\n".encode() + b"\xff\xfe bad bytes\n"
 FN_OK = "def reward(prompts, responses):\n    return [1.0] * len(responses)\n"
 
@@ -132,8 +140,12 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("prompts-blank-lines-only", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", "\n  \n\n")))], "no prompts"),
     ("prompts-not-utf8", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.txt", NOT_UTF8)))], "not UTF-8"),
     ("prompts-jsonl-not-object", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '["a"]\n')))], "expected a JSON object"),
-    ("prompts-jsonl-missing-field", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"text": "a"}\n')))], "no 'prompt' field"),
+    ("prompts-jsonl-missing-field", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"text": "a"}\n')))], "no 'prompt' or 'messages' field"),
     ("prompts-jsonl-invalid-json", lambda e: ["train", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"prompt": \n')))], "not valid JSON"),
+    ("prompts-hub-id-offline", lambda e: ["train", e.recipe(_edit("data.prompts", "someorg/no-such-prompts"))], "dataset 'someorg/no-such-prompts' is not a local file and the hub is offline (HF_HUB_OFFLINE=1)"),
+    ("prompts-conversation-bad-message", lambda e: ["validate", e.recipe(_edit("data.prompts", e.file("p.jsonl", '{"messages": [{"role": "user"}]}\n')))], "p.jsonl:1: 'messages' message 0: no 'content' (keys: role)"),
+    ("prompts-csv-unknown-column", lambda e: ["train", e.recipe(_both(_edit("data.field", "question"), _edit("data.prompts", e.file("p.csv", CSV_WITHOUT_QUESTION))))], "p.csv: no 'question' column (columns: text, id)"),
+    ("prompts-conversations-with-prompt-and-response-reward", lambda e: ["train", e.recipe(_both(_edit("reward.components.0.text", "prompt_and_response"), _edit("data.prompts", e.file("p.jsonl", CONVERSATION_ROW))))], "reads text: prompt_and_response, but the prompts are conversations"),
     ("eval-prompts-missing", lambda e: ["train", e.recipe(_edit("data.eval_prompts", str(e.tmp / "none.txt")))], "prompts file not found"),
     # --- model paths ---
     ("policy-dir-missing", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp / "no-model")))], "model directory not found"),

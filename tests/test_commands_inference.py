@@ -282,7 +282,7 @@ def _bad(ws: Workspace, tmp_path: Path, name: str, content: bytes | str) -> Path
         ("empty.txt", "\n  \n", "error: {path}: no prompts in this file"),
         ("latin1.txt", b"caf\xe9 prompt\n", "error: {path}: not UTF-8 text (byte 3)"),
         ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "error: {path}:2: expected a JSON object, got list"),
-        ("nofield.jsonl", '{"text": "a"}\n', "error: {path}:1: no 'prompt' field (fields: text)"),
+        ("nofield.jsonl", '{"text": "a"}\n', "error: {path}:1: no 'prompt' or 'messages' field (fields: text)"),
     ],
 )
 def test_bad_prompts_files_get_one_line_and_no_output(ws: Workspace, tmp_path: Path, name, content, message):
@@ -337,3 +337,45 @@ def test_bad_flags_fail_before_loading(ws: Workspace, tmp_path: Path):
     assert (result.exit_code, errors(result)[0]) == (2, "error: --temperature must be > 0, got 0")
     result = invoke("rollout", "aligned", "--run", ws.run, "--prompts", ws.prompts, "--out", tmp_path)
     assert (result.exit_code, errors(result)[0]) == (2, f"error: --out {tmp_path} is a directory")
+
+
+# --- conversations ------------------------------------------------------------------------------
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "The movie was"},
+                  {"role": "assistant", "content": "great."}]},
+    {"messages": [{"role": "user", "content": "Overall, the product is"}]},
+]
+ROLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.mark.slow
+def test_rollout_of_conversations_keeps_the_messages_and_templates_them(ws: Workspace, tmp_path: Path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    chat_policy = tmp_path / "chat-policy"
+    shutil.copytree(ws.policy, chat_policy)
+    (chat_policy / "chat_template.jinja").write_text(ROLE_TEMPLATE)
+    prompts = tmp_path / "chats.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in CHATS))
+    out = tmp_path / "rollouts.jsonl"
+    ok("rollout", chat_policy, "--run", ws.run, "--prompts", prompts, "--out", out, "--max-new-tokens", 2)
+    rows = read_jsonl(out)
+    assert [r["prompt"] for r in rows] == [CHATS[0]["messages"][:2], CHATS[1]["messages"]]  # the answer dropped
+    tokenizer = AutoTokenizer.from_pretrained(chat_policy)
+    text = "system: Be kind.\nuser: The movie was\nassistant:"
+    assert rows[0]["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.slow
+def test_conversations_for_a_policy_without_a_chat_template_is_one_line(ws: Workspace, tmp_path: Path):
+    prompts = tmp_path / "chats.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in CHATS))
+    out = tmp_path / "rollouts.jsonl"
+    result = invoke("rollout", "aligned", "--run", ws.run, "--prompts", prompts, "--out", out)
+    assert result.exit_code == 2
+    assert errors(result)[0] == ("error: the prompts need a chat template (conversation rows, data.chat_template or "
+                                 "data.system_prompt) but the tokenizer has no chat template")
+    assert not out.exists()

@@ -38,7 +38,7 @@ def generation_settings(recipe: Recipe) -> dict:
     gen = recipe.generation
     return {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
             "top_p": gen.top_p, "stop_token": gen.stop_token, "chat_template": recipe.data.chat_template,
-            "max_prompt_tokens": recipe.data.max_prompt_tokens}
+            "system_prompt": recipe.data.system_prompt, "max_prompt_tokens": recipe.data.max_prompt_tokens}
 
 
 def sample_rows(engine, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, *,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.engine.data import read_jsonl_objects
+from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
 from ppo_cli.errors import DataError
 from ppo_cli.recipe import Recipe
 
@@ -26,7 +26,7 @@ class ScoreRunResult:
 def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
     """Rows of a rollouts JSONL file, each checked for the fields the recipe's reward needs."""
     path = Path(path)
-    needed = {"prompt": str, "response": str}
+    needed = {"prompt": (str, list), "response": str}
     if recipe.reward.missing_eos_penalty is not None:
         needed["finished"] = bool  # reward.missing_eos_penalty reads it
     if recipe.reward.max_response_tokens is not None:
@@ -40,13 +40,14 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
                                 hint="score files written by `ppo rollout`")
             if not isinstance(row[name], kind) or (kind is int and isinstance(row[name], bool)):
                 raise DataError(f"{path}:{lineno}: '{name}' must be {_KIND_NAMES[kind]}, got {type(row[name]).__name__}")
+        prompt_from_value(row["prompt"], "prompt", f"{path}:{lineno}")  # a string or a conversation
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows in this file", hint="write rollouts with `ppo rollout MODEL --out FILE`")
     return rows
 
 
-_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
+_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", (str, list): "a string or a list of messages"}
 
 
 def score_rows(reward, rows: list[dict]) -> list[dict]:

@@ -46,12 +46,13 @@ def peak_memory_gb() -> float:
 
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
-    from ppo_cli.engine.data import read_prompts
+    from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.runs import check_adapter_reference, check_model_reference
 
-    prompts = read_prompts(recipe.data.prompts, recipe.data.field).prompts
-    eval_prompts = read_prompts(recipe.data.eval_prompts, recipe.data.field).prompts if recipe.data.eval_prompts else []
+    prompts = read_recipe_prompts(recipe.data).prompts
+    eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
+    check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
     for path in [recipe.policy.path, recipe.reference.path, recipe.value.path]:
         if path:
             check_model_reference(path)

@@ -28,13 +28,13 @@ def check_recipe_files(recipe: Recipe) -> None:
     """The files the recipe names, as `ppo train` checks them before loading anything: prompts files
     (readable, not empty), model paths (a saved model, or a hub id), reward function files. A
     reward function is not imported here: its module's code runs only when training asks for it."""
-    from ppo_cli.engine.data import read_prompts
+    from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.errors import RewardFunctionError
     from ppo_cli.runs import check_adapter_reference, check_model_reference
 
-    for prompts in (recipe.data.prompts, recipe.data.eval_prompts):
-        if prompts:
-            read_prompts(prompts, recipe.data.field)
+    for which in ("prompts", "eval_prompts"):
+        if getattr(recipe.data, which):
+            check_reward_reads_conversations(recipe.reward, read_recipe_prompts(recipe.data, which).prompts)
     for path in (recipe.policy.path, recipe.reference.path, recipe.value.path):
         if path:
             check_model_reference(path)

@@ -6,6 +6,7 @@ Every component's per-episode value is kept so `ppo score` and the metrics can s
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -16,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from ppo_cli.errors import RecipeError, RewardFunctionError, RewardFunctionFailed
+from ppo_cli.engine.chat import check_chat_template, conversation_text
+from ppo_cli.engine.data import is_conversation
+from ppo_cli.errors import DataError, RecipeError, RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
 
 
@@ -59,9 +62,12 @@ class FunctionScorer:
         self.spec = component.function
         self.fn = load_reward_function(component.function)
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def __call__(self, prompts: list, responses: list[str]) -> list[float]:
+        """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
+        lists of {role, content} for conversations (without data.system_prompt); copies, so the
+        function cannot change the rollout's prompts."""
         try:
-            values = self.fn(list(prompts), list(responses))
+            values = self.fn(copy.deepcopy(list(prompts)), list(responses))
         except Exception as err:
             raise RewardFunctionFailed(
                 f"reward function '{self.spec}' raised {type(err).__name__}: {err}",
@@ -81,15 +87,21 @@ class FunctionScorer:
 class ModelScorer:
     """A sequence-classification model read as a scalar reward or through a label->value map."""
 
-    def __init__(self, component: ModelReward | ClassifierReward, device: torch.device):
+    def __init__(self, component: ModelReward | ClassifierReward, device: torch.device, system_prompt: str | None = None):
         from transformers import AutoModelForSequenceClassification
 
         from ppo_cli.engine.models import freeze, load_pretrained, load_tokenizer, resolve_dtype
 
         self.component = component
         self.device = device
+        self.system_prompt = system_prompt
         self.tokenizer = load_tokenizer(component.path, trust_remote_code=component.trust_remote_code)
         self.tokenizer.padding_side = "right"
+        if component.text == "conversation":
+            check_chat_template(
+                self.tokenizer, f"reward component '{component.path}' reads text: conversation",
+                "use a reward model whose tokenizer has a chat template, or text: prompt_and_response / response",
+            )
         self.model = load_pretrained(
             AutoModelForSequenceClassification, component.path, dtype=resolve_dtype(component.dtype, device),
             device=device, quantization=component.quantization, trust_remote_code=component.trust_remote_code,
@@ -116,22 +128,38 @@ class ModelScorer:
             )
         return torch.tensor([wanted.get(id2label[i], 0.0) for i in range(len(id2label))], device=self.device)
 
+    def texts(self, prompts: list, responses: list[str]) -> list[str]:
+        """What the model reads, per ``component.text``."""
+        text = self.component.text
+        if text == "response":
+            return list(responses)
+        if text == "conversation":
+            return [conversation_text(p, r, self.tokenizer, self.system_prompt) for p, r in zip(prompts, responses)]
+        for i, prompt in enumerate(prompts):
+            if is_conversation(prompt):
+                raise DataError(
+                    f"reward component '{self.component.path}' reads text: prompt_and_response, but prompt {i} is a conversation",
+                    hint="set `text: conversation` (its chat template is applied to prompt + response) or `text: response`",
+                )
+        return [p + r for p, r in zip(prompts, responses)]
+
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        use_prompt = isinstance(self.component, ModelReward) or self.component.text == "prompt_and_response"
-        texts = [p + r for p, r in zip(prompts, responses)] if use_prompt else list(responses)
+    def __call__(self, prompts: list, responses: list[str]) -> list[float]:
+        texts = self.texts(prompts, responses)
+        # A chat template writes its own special tokens; adding them again would double the BOS.
+        add_special_tokens = self.component.text != "conversation"
         values: list[float] = []
         for start in range(0, len(texts), self.component.batch_size):
             enc = self.tokenizer(
                 texts[start : start + self.component.batch_size], return_tensors="pt", padding=True,
-                truncation=True, max_length=self.component.max_length,
+                truncation=True, max_length=self.component.max_length, add_special_tokens=add_special_tokens,
             ).to(self.device)
             logits = self.model(**enc).logits.float()
             values += self._logits_to_rewards(logits).tolist()
         return values
 
     def _logits_to_rewards(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, num_labels) -> (B,): the scalar head, or the label map (e.g. +10 x p(positive), as in https://github.com/suyashh94/qwen-ppo-tuning)."""
+        """(B, num_labels) -> (B,): the scalar head, or the label map (optionally value x confidence)."""
         if isinstance(self.component, ModelReward):
             return logits[:, 0]
         probs = logits.softmax(dim=-1)
@@ -161,15 +189,20 @@ class ScoreResult:
 class RewardStack:
     """The recipe's reward: components summed with their weights, then the penalties."""
 
-    def __init__(self, config: RewardConfig, device: torch.device):
+    def __init__(self, config: RewardConfig, device: torch.device, system_prompt: str | None = None):
+        """``system_prompt``: the recipe's data.system_prompt, part of the conversation a
+        ``text: conversation`` component reads."""
         self.config = config
         taken: set[str] = set()
         self.scorers = []
         for index, component in enumerate(config.components):
-            scorer = FunctionScorer(component) if isinstance(component, FunctionReward) else ModelScorer(component, device)
+            if isinstance(component, FunctionReward):
+                scorer = FunctionScorer(component)
+            else:
+                scorer = ModelScorer(component, device, system_prompt)
             self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
 
-    def score(self, prompts: list[str], responses: list[str], finished: list[bool], response_lengths: list[int]) -> ScoreResult:
+    def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int]) -> ScoreResult:
         totals = [0.0] * len(responses)
         components: dict[str, list[float]] = {}
         for name, weight, scorer in self.scorers:

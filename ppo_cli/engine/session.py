@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ppo_cli.engine.data import format_prompts, tokenize_prompts
+from ppo_cli.engine.chat import tokenize_prompts
 from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
 from ppo_cli.engine.logprobs import (
     policy_forward,
@@ -80,8 +80,7 @@ class Engine:
         """generate(); with ``from_generation`` also what its own forward passes computed: the sampled
         tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them."""
         recipe = self.recipe
-        texts = format_prompts(prompts, self.tokenizer, recipe.data.chat_template)
-        prompt_ids, prompt_mask = tokenize_prompts(texts, self.tokenizer, recipe.data.max_prompt_tokens, self.device)
+        prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, recipe.data, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
         if not from_generation:
@@ -225,7 +224,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe, tokenizer)
-    reward = RewardStack(recipe.reward, device)
+    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
     loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if hasattr(s, "model")}
     actor_critic = build_actor_critic(recipe, device, loaded)
     if device.type == "cpu":
@@ -292,7 +291,7 @@ def _same_adapter(a: str | None, b: str | None) -> bool:
 def load_reward_stack(recipe: Recipe) -> RewardStack:
     """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`)."""
     quiet_libraries()
-    return RewardStack(recipe.reward, resolve_device(recipe.train.device))
+    return RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt)
 
 
 def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:

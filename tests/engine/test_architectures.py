@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ppo_cli.checkpoint import save_final
-from ppo_cli.engine.data import format_prompts, tokenize_prompts
+from ppo_cli.engine.chat import tokenize_prompts
 from ppo_cli.engine.models import load_tokenizer
 from ppo_cli.engine.session import Engine, load_engine
 from ppo_cli.recipe import Recipe, validate_recipe
@@ -285,13 +285,14 @@ def test_byte_level_tokenizer_has_eos_and_no_bos(architecture_models, name):
     assert tokenizer.decode(ids) == "The movie was great"
 
 
-@pytest.mark.xfail(strict=True, reason="double BOS")
 def test_chat_templated_prompt_has_exactly_one_bos(architecture_models):
     """A chat template that writes the BOS itself, tokenised as the engine does: one BOS, not two."""
+    from ppo_cli.recipe import DataConfig
+
     tokenizer = load_tokenizer(str(architecture_models / "mistral"))
     assert tokenizer.chat_template.startswith("{{ bos_token }}")
-    texts = format_prompts(PROMPTS, tokenizer, chat_template=True)
-    prompt_ids, prompt_mask = tokenize_prompts(texts, tokenizer, max_prompt_tokens=64, device="cpu")
+    data = DataConfig(prompts="unused.txt", chat_template=True, max_prompt_tokens=64)
+    prompt_ids, prompt_mask = tokenize_prompts(PROMPTS, tokenizer, data, device="cpu")
     for ids, mask in zip(prompt_ids, prompt_mask):
         real = ids[mask].tolist()
         assert real[0] == tokenizer.bos_token_id

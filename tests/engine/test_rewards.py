@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ppo_cli.engine.rewards import ModelScorer, RewardStack, load_reward_function
-from ppo_cli.errors import RecipeError, RewardFunctionError
+from ppo_cli.errors import DataError, RecipeError, RewardFunctionError
 from ppo_cli.recipe import ClassifierReward, RewardConfig
 
 
@@ -110,3 +110,44 @@ def test_tiny_classifier_scores_positive_text_above_negative(tiny_models):
     again = stack.score(["The movie was"] * 2, [" wonderful and I loved it.", " boring and awful."], [True, True], [5, 4])
     assert first.scores[0] > 5.0 > 0 > first.scores[1]
     assert first.scores == again.scores
+
+
+def _conversation_scorer(tokenizer, text: str, system_prompt=None) -> ModelScorer:
+    """A ModelScorer with its tokenizer set by hand: only the text it reads is exercised."""
+    scorer = ModelScorer.__new__(ModelScorer)
+    scorer.component = ClassifierReward(type="classifier", path="rm", labels={"x": 1}, text=text)
+    scorer.tokenizer, scorer.system_prompt = tokenizer, system_prompt
+    return scorer
+
+
+def test_conversation_text_is_the_reward_tokenizers_template_of_prompt_and_response(chat_tokenizer):
+    scorer = _conversation_scorer(chat_tokenizer, "conversation", system_prompt="be brief")
+    conversation = [{"role": "user", "content": "the dog"}]
+    assert scorer.texts([conversation, "the fox"], ["yes", "no"]) == [
+        "<s><|start|>system\nbe brief<|end|><|start|>user\nthe dog<|end|><|start|>assistant\nyes<|end|>",
+        "<s><|start|>system\nbe brief<|end|><|start|>user\nthe fox<|end|><|start|>assistant\nno<|end|>",
+    ]
+
+
+def test_prompt_and_response_text_refuses_a_conversation(chat_tokenizer):
+    scorer = _conversation_scorer(chat_tokenizer, "prompt_and_response")
+    assert scorer.texts(["the dog "], ["yes"]) == ["the dog yes"]
+    with pytest.raises(DataError) as err:
+        scorer.texts(["a", [{"role": "user", "content": "b"}]], ["x", "y"])
+    assert str(err.value) == "reward component 'rm' reads text: prompt_and_response, but prompt 1 is a conversation"
+
+
+def test_function_reward_gets_conversations_as_lists_and_cannot_change_them(tmp_path):
+    path = _write(tmp_path, """
+        def turns(prompts, responses):
+            out = [float(len(p)) if isinstance(p, list) else -1.0 for p in prompts]
+            for p in prompts:
+                if isinstance(p, list):
+                    p.clear()
+            return out
+    """)
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:turns"}])
+    conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    result = RewardStack(config, torch.device("cpu")).score(["plain", conversation], ["a", "b"], [True, True], [1, 1])
+    assert result.scores == [-1.0, 2.0]
+    assert len(conversation) == 2

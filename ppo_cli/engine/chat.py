@@ -1,0 +1,106 @@
+"""Prompts to token ids: chat templates, special tokens exactly once, truncation that keeps the template.
+
+Plain-text prompts are tokenised with the tokenizer's special tokens (a base model needs its BOS)
+and truncated from the left. A conversation (a conversational row, or a string when
+data.chat_template or data.system_prompt asks for it) is rendered with the tokenizer's chat template
+and tokenised WITHOUT adding special tokens: templates that begin with ``{{ bos_token }}`` (Llama 3,
+Mistral, Gemma) already wrote it, and adding it again gives two BOS tokens.
+
+A conversation longer than data.max_prompt_tokens loses the start of its last user message's
+content; the template, the system prompt, the earlier turns and the generation prompt stay whole.
+If even an empty last user message does not fit, that is an error naming data.max_prompt_tokens.
+
+No torch import at module level: ``ppo plan`` counts prompt tokens without it.
+"""
+
+from __future__ import annotations
+
+from ppo_cli.engine.data import Message, Prompt
+from ppo_cli.errors import DataError
+
+
+def prompt_messages(prompt: Prompt, data) -> list[Message] | None:
+    """The conversation the policy is prompted with, or None for plain text (no template).
+
+    data.system_prompt is added as a first system turn unless the row has its own system turn.
+    """
+    if isinstance(prompt, str) and not (data.chat_template or data.system_prompt):
+        return None
+    return as_messages(prompt, data.system_prompt)
+
+
+def as_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
+    """A string as one user turn; ``system_prompt`` first unless the conversation has its own."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def check_chat_template(tokenizer, why: str, hint: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{why} but the tokenizer has no chat template", hint=hint)
+
+
+def template_ids(messages: list[Message], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the templated conversation; the template's own special tokens only."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(prompt: Prompt, tokenizer, data) -> list[int]:
+    """Token ids of one prompt, at most data.max_prompt_tokens (see the module docstring)."""
+    limit = data.max_prompt_tokens
+    messages = prompt_messages(prompt, data)
+    if messages is None:
+        tokenizer.truncation_side = "left"
+        return tokenizer(prompt, truncation=True, max_length=limit, add_special_tokens=True)["input_ids"]
+    check_chat_template(
+        tokenizer, "the prompts need a chat template (conversation rows, data.chat_template or data.system_prompt)",
+        "use a chat model, or plain-text prompts without data.chat_template and data.system_prompt",
+    )
+    ids = template_ids(messages, tokenizer)
+    return ids if len(ids) <= limit else _truncate_last_user_turn(messages, tokenizer, limit)
+
+
+def _truncate_last_user_turn(messages: list[Message], tokenizer, limit: int) -> list[int]:
+    """Keep the last tokens of the last user message's content so the templated prompt fits ``limit``.
+
+    Re-rendering after each cut, rather than splicing ids, keeps the tokenisation the template
+    would give; each pass cuts at least one more token, so it ends by the empty content at worst.
+    """
+    turn = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    with_content = lambda text: [*messages[:turn], {**messages[turn], "content": text}, *messages[turn + 1 :]]  # noqa: E731
+    overhead = len(template_ids(with_content(""), tokenizer))
+    if overhead > limit:
+        raise DataError(
+            f"a prompt's chat template, system prompt and earlier turns take {overhead} tokens, "
+            f"more than data.max_prompt_tokens ({limit})",
+            hint=f"raise data.max_prompt_tokens to at least {overhead + 1}, or shorten the system prompt / conversation",
+        )
+    content_ids = tokenizer(messages[turn]["content"], add_special_tokens=False)["input_ids"]
+    keep = limit - overhead
+    while True:
+        kept = tokenizer.decode(content_ids[len(content_ids) - keep :] if keep else [], skip_special_tokens=False)
+        ids = template_ids(with_content(kept), tokenizer)
+        if len(ids) <= limit or keep == 0:
+            return ids
+        keep = max(0, keep - (len(ids) - limit))
+
+
+def encode_prompts(prompts: list[Prompt], tokenizer, data) -> list[list[int]]:
+    return [encode_prompt(p, tokenizer, data) for p in prompts]
+
+
+def tokenize_prompts(prompts: list[Prompt], tokenizer, data, device):
+    """Left-padded prompt ids and bool mask, each (B, P)."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer.pad({"input_ids": encode_prompts(prompts, tokenizer, data)}, padding=True, return_tensors="pt")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
+
+
+def conversation_text(prompt: Prompt, response: str, tokenizer, system_prompt: str | None) -> str:
+    """A reward model's input: prompt + response as one conversation in the reward model's own chat
+    template (the policy's data.system_prompt included, as the policy saw it)."""
+    messages = [*as_messages(prompt, system_prompt), {"role": "assistant", "content": response}]
+    return tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,0 +1,90 @@
+"""Prompts to token ids: special tokens once, truncation that keeps the chat template, left padding."""
+
+import pytest
+
+from ppo_cli.engine.chat import conversation_text, encode_prompt, prompt_messages, tokenize_prompts
+from ppo_cli.errors import DataError
+from ppo_cli.recipe import DataConfig
+
+GENERATION_PROMPT = "<|start|>assistant\n"
+
+
+def _data(**fields) -> DataConfig:
+    return DataConfig(prompts="p.txt", **fields)
+
+
+def _text(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_templated_prompt_has_exactly_one_bos(chat_tokenizer):
+    bos = chat_tokenizer.bos_token_id
+    conversation = [{"role": "user", "content": "the lazy dog"}]
+    for prompt, data in ((conversation, _data()), ("the lazy dog", _data(chat_template=True))):
+        ids = encode_prompt(prompt, chat_tokenizer, data)
+        assert ids.count(bos) == 1 and ids[0] == bos
+        assert _text(chat_tokenizer, ids) == "<s><|start|>user\nthe lazy dog<|end|>" + GENERATION_PROMPT
+
+
+def test_plain_text_prompt_keeps_the_tokenizers_bos_and_left_truncation(chat_tokenizer):
+    ids = encode_prompt("the quick brown fox jumps over the lazy dog", chat_tokenizer, _data(max_prompt_tokens=4))
+    assert len(ids) == 4 and ids[0] == chat_tokenizer.bos_token_id
+    assert _text(chat_tokenizer, ids) == "<s>y dog"  # the last 3 tokens of the text after the BOS
+
+
+def test_system_prompt_is_added_unless_the_row_has_its_own(chat_tokenizer):
+    data = _data(system_prompt="be brief")
+    assert prompt_messages("hi", data) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
+    assert prompt_messages(own, data) == own
+    assert prompt_messages("hi", _data()) is None  # plain text: no template
+
+
+def test_too_long_conversation_loses_the_start_of_the_last_user_message_only(chat_tokenizer):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the dog"},
+        {"role": "assistant", "content": "the fox"},
+        {"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 10 + "END"},
+    ]
+    limit = 60
+    ids = encode_prompt(messages, chat_tokenizer, _data(max_prompt_tokens=limit))
+    text = _text(chat_tokenizer, ids)
+    assert limit - 3 <= len(ids) <= limit  # a token or two may merge at the cut
+    assert ids.count(chat_tokenizer.bos_token_id) == 1
+    head = "<s><|start|>system\nbe brief<|end|><|start|>user\nthe dog<|end|><|start|>assistant\nthe fox<|end|><|start|>user\n"
+    assert text.startswith(head)
+    assert text.endswith("lazy dog END<|end|>" + GENERATION_PROMPT)
+    generation_ids = chat_tokenizer(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
+    assert ids[-len(generation_ids):] == generation_ids
+
+
+def test_template_that_cannot_fit_names_max_prompt_tokens(chat_tokenizer):
+    data = _data(max_prompt_tokens=8, system_prompt="be brief")
+    with pytest.raises(DataError) as err:
+        encode_prompt("the dog", chat_tokenizer, data)
+    overhead = len(encode_prompt("", chat_tokenizer, _data(max_prompt_tokens=100, system_prompt="be brief")))
+    assert str(err.value) == (
+        f"a prompt's chat template, system prompt and earlier turns take {overhead} tokens, "
+        "more than data.max_prompt_tokens (8)"
+    )
+
+
+def test_conversation_without_a_chat_template_is_one_line(chat_tokenizer):
+    tokenizer = chat_tokenizer.__class__(tokenizer_object=chat_tokenizer.backend_tokenizer, bos_token="<s>", pad_token="<pad>")
+    with pytest.raises(DataError, match="the prompts need a chat template .* but the tokenizer has no chat template"):
+        encode_prompt([{"role": "user", "content": "hi"}], tokenizer, _data())
+
+
+def test_batch_is_left_padded_with_a_mask(chat_tokenizer):
+    ids, mask = tokenize_prompts(["the dog", [{"role": "user", "content": "the dog"}]], chat_tokenizer, _data(), "cpu")
+    plain = encode_prompt("the dog", chat_tokenizer, _data())
+    assert ids.shape == mask.shape and ids.shape[0] == 2
+    assert ids[0, -len(plain):].tolist() == plain
+    assert mask[0].tolist() == [False] * (ids.shape[1] - len(plain)) + [True] * len(plain)
+    assert mask[1].all()
+
+
+def test_reward_conversation_uses_the_reward_tokenizers_template_with_the_response(chat_tokenizer):
+    text = conversation_text("the dog", "the fox", chat_tokenizer, system_prompt="be brief")
+    assert text == "<s><|start|>system\nbe brief<|end|><|start|>user\nthe dog<|end|><|start|>assistant\nthe fox<|end|>"
