@@ -1,15 +1,14 @@
 """Running out of memory or disk, said as one line: where it happened and what to change.
 
 An allocation failure is not a bug of ours: the recipe asked for more memory than the machine has.
-``phase`` names the part of training that ran out; ``advice_from_plan`` adds what ``ppo plan``
-expected and the first change that brings its estimate under the machine's memory.
+``phase`` names the part of training that ran out; `ppo train` adds what ``ppo plan`` expected
+and the first change that brings its estimate under the machine's memory (commands/train.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import shlex
 import sys
 from pathlib import Path
 
@@ -61,29 +60,6 @@ def machine_memory_gb(device) -> float | None:
     except OSError:
         pass
     return None
-
-
-def advice_from_plan(err: OutOfMemory, recipe, recipe_path: Path | None, device) -> OutOfMemory:
-    """``err`` with what ``ppo plan`` expected and the `ppo train` line of the first change that fits."""
-    from ppo_cli.commands import plan
-
-    try:
-        result = plan.run(recipe, device=device.type)
-    except PpoError:
-        return err
-    memory = machine_memory_gb(device)
-    peak = result.estimate.total_gb
-    detail = f"{err.detail}; ppo plan expects a peak of {peak:.1f} GB" + (f" on {memory:.1f} GB" if memory else "")
-    budget_option = f" --gpu-memory {memory:.0f}" if memory and device.type == "cuda" else ""
-    hint = f"run `ppo plan {recipe_path or 'RECIPE'}{budget_option}` for what each role needs and the changes that would fit"
-    if memory is not None:
-        # The estimate is within about 25% of measured peaks: ask for room below the machine's memory.
-        budget = min(memory, peak) * 0.75
-        fitting = [s for s in plan.suggestions(result.settings, plan.model_shapes(recipe), budget) if s.fits]
-        if fitting:
-            command = ["ppo", "train", str(recipe_path or "RECIPE"), *plan.set_args(fitting[0].overrides)]
-            hint = f"{fitting[0].change}: {shlex.join(command)}"
-    return OutOfMemory(err.phase, detail, hint=hint)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ppo_cli import trainer
-from ppo_cli.commands.plan import _update_micro_batch
+from ppo_cli.memory import update_micro_batch
 from ppo_cli.engine.session import load_engine
 from ppo_cli.recipe import load_recipe
 from ppo_cli.trainer import init_state, token_budget_micro_batches, train_step
@@ -31,8 +31,8 @@ def test_an_episode_longer_than_the_budget_gets_its_own_micro_batch():
 def test_plan_counts_the_full_length_episodes_that_fit(tiny_models, tmp_path):
     sets = {"ppo.mini_batch_size": 16, "ppo.micro_batch_tokens": 100, "generation.max_new_tokens": 24}
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
-    assert _update_micro_batch(recipe, prompt_len=8) == 3  # 100 // (8 + 24)
-    assert _update_micro_batch(recipe, prompt_len=200) == 1
+    assert update_micro_batch(recipe, prompt_len=8) == 3  # 100 // (8 + 24)
+    assert update_micro_batch(recipe, prompt_len=200) == 1
 
 
 def test_update_with_a_token_budget_covers_every_episode_once_within_budget(tiny_models, tmp_path, monkeypatch):

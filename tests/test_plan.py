@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
-from ppo_cli.commands.plan import (
+from ppo_cli.memory import (
     CPU_HEAP_RETENTION,
     GB,
     QUANT_BYTES,
@@ -158,7 +158,7 @@ def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir)
 
 
 def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
-    from ppo_cli.commands.plan import settings_from_recipe
+    from ppo_cli.memory import settings_from_recipe
     from ppo_cli.recipe import load_recipe
 
     sets = {"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false"}

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.errors import CheckpointError, Interrupted, UsageError
+from ppo_cli.errors import CheckpointError, Interrupted, PpoError, UsageError
 from ppo_cli.recipe import Recipe, dump_resolved, load_recipe
 
 # Keys that may change between a run and its resume: how long it runs and how it logs.
@@ -323,6 +323,33 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     return summary
 
 
+def advice_from_plan(err, recipe, recipe_path: Path | None, device):
+    """OutOfMemory ``err`` with what ``ppo plan`` expected and the `ppo train` line of the first change that fits."""
+    import shlex
+
+    from ppo_cli.commands import plan
+    from ppo_cli.memory import model_shapes, suggestions
+    from ppo_cli.memory_errors import OutOfMemory, machine_memory_gb
+
+    try:
+        result = plan.run(recipe, device=device.type)
+    except PpoError:
+        return err
+    memory = machine_memory_gb(device)
+    peak = result.estimate.total_gb
+    detail = f"{err.detail}; ppo plan expects a peak of {peak:.1f} GB" + (f" on {memory:.1f} GB" if memory else "")
+    budget_option = f" --gpu-memory {memory:.0f}" if memory and device.type == "cuda" else ""
+    hint = f"run `ppo plan {recipe_path or 'RECIPE'}{budget_option}` for what each role needs and the changes that would fit"
+    if memory is not None:
+        # The estimate is within about 25% of measured peaks: ask for room below the machine's memory.
+        budget = min(memory, peak) * 0.75
+        fitting = [s for s in suggestions(result.settings, model_shapes(recipe), budget) if s.fits]
+        if fitting:
+            command = ["ppo", "train", str(recipe_path or "RECIPE"), *plan.set_args(fitting[0].overrides)]
+            hint = f"{fitting[0].change}: {shlex.join(command)}"
+    return OutOfMemory(err.phase, detail, hint=hint)
+
+
 def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False, merge: bool = False,
         resume: str | None = None, force: bool = False) -> TrainResult:
     if resume is not None and overwrite:
@@ -341,7 +368,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.checkpoint import load_checkpoint
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.session import load_engine
-    from ppo_cli.memory_errors import OutOfMemory, advice_from_plan
+    from ppo_cli.memory_errors import OutOfMemory
     from ppo_cli.memory_errors import phase as memory_phase
     from ppo_cli.trainer import init_state
 

@@ -1,0 +1,453 @@
+"""Memory arithmetic: how much a recipe needs, role by role, before any weights are loaded (`ppo plan`).
+
+Only the model configs are read; each model is instantiated on the meta device (no memory, no
+compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
+LoRA adapts) and which do not. The rest is arithmetic on the recipe:
+
+    weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
+    LoRA         r x (in + out) per adapted linear layer, float32
+    gradients    one per trainable parameter, in its dtype
+    optimizer    AdamW: two states per trainable parameter, in its dtype (1 B each with optim.name adamw_8bit)
+    activations  what the update's forward keeps for the backward, per micro-batch of
+                 micro_batch_size x (prompt + response) tokens; measured per token and layer for
+                 Llama/Qwen-style decoders with SDPA attention (scripts/bench_vs_trl.py plan-check):
+                 10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
+                 logits of the response positions (three float32 copies: logits, scaled, gradient)
+    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
+    runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
+                 on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
+
+Peak = weights + LoRA + gradients + optimizer + runtime + max(update activations, rollout working set).
+Importing this module does not import torch; ``describe_model`` does (for the meta-device models). Each
+critic kind's own part comes from its class (engine/critics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppo_cli.recipe import LoraConfig, Recipe
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+# bitsandbytes: nf4 with double quantization = 4 bits + an 8-bit absmax per 64 values + a float32
+# per 256 absmax blocks; LLM.int8 = 1 byte + a float32 scale per output row (~0 per parameter).
+QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
+# CPU: glibc keeps the update's freed activations in the heap for reuse (ppo_cli turns off trimming,
+# engine/session.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
+# Measured at the 0.5B shape (docs/benchmarks.md): peak RSS - live estimate = 2.2x the update's
+# activations with a frozen (LoRA) base, 0.8x when the weights train.
+CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
+ADAMW_STATES = 2
+
+
+# --- what the estimate needs from a model config --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # module path, e.g. model.layers.0.self_attn.q_proj
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One model's parameter layout and sizes (from its config, on the meta device)."""
+
+    path: str
+    total_params: int  # every parameter once (tied embeddings counted once)
+    linears: tuple[Linear, ...]  # the backbone's linear layers: quantizable and LoRA-adaptable
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the backbone's linear layers (biases excluded: bitsandbytes keeps them)."""
+        return sum(l.in_features * l.out_features for l in self.linears)
+
+    def lora_params(self, lora: LoraConfig | None) -> int:
+        if lora is None:
+            return 0
+        targets = None if lora.target_modules == "all-linear" else set(lora.target_modules)
+        return sum(
+            lora.r * (l.in_features + l.out_features)
+            for l in self.linears
+            if targets is None or l.name.rsplit(".", 1)[-1] in targets or l.name in targets
+        )
+
+    def weight_bytes(self, dtype: str, quantization: str = "none", other_dtype_bytes: float | None = None) -> float:
+        """Bytes of the weights: the linear layers quantized (or not), everything else in ``dtype``
+        (or ``other_dtype_bytes``: prepare_model_for_kbit_training upcasts it to float32 under QLoRA)."""
+        full = DTYPE_BYTES[dtype]
+        if quantization == "none":
+            return self.total_params * full
+        rest = self.total_params - self.linear_params
+        return self.linear_params * QUANT_BYTES[quantization] + rest * (other_dtype_bytes or full)
+
+
+def _linear_layers(backbone) -> tuple[Linear, ...]:
+    from torch import nn
+
+    return tuple(
+        Linear(name, m.in_features, m.out_features, m.bias is not None)
+        for name, m in backbone.named_modules()
+        if isinstance(m, nn.Linear)
+    )
+
+
+def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, revision: str | None = None) -> ModelShape:
+    """``kind``: 'causal_lm' (policy, reference), 'backbone' (a separate critic) or 'classifier' (reward)."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ppo_cli.runs import check_model_reference
+    from ppo_cli.errors import ModelLoadError, first_line
+
+    check_model_reference(path)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
+    auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    backbone = model.base_model if kind != "backbone" else model
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return ModelShape(
+        path=path,
+        total_params=sum(p.numel() for p in model.parameters()),
+        linears=_linear_layers(backbone),
+        hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+    )
+
+
+# --- the estimate -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The recipe values the estimate depends on (suggestions change these, not the recipe)."""
+
+    device: str  # cpu | cuda
+    dtype: str  # policy dtype, resolved
+    quantization: str  # policy base
+    lora: LoraConfig | None
+    gradient_checkpointing: bool
+    reference: str  # 'adapter' (LoRA disabled) | 'copy'
+    reference_dtype: str
+    reference_quantization: str
+    value_kind: str  # head | adapter | model
+    value_dtype: str
+    value_lora: LoraConfig | None
+    rewards: tuple[tuple[str, str, int], ...]  # (dtype, quantization, batch_size) per model component
+    micro_batch: int
+    mini_batch: int
+    rollout_batch: int
+    prompt_tokens: int
+    response_tokens: int
+    token_budget: bool = False  # micro-batches sized by ppo.micro_batch_tokens (micro_batch: what fits)
+    value_frozen: bool = False  # value.kind model with train_backbone false: only its head trains
+    value_shared: bool = False  # ... and it is the reward model already loaded (no second copy)
+    optimizer: str = "adamw"  # optim.name: adamw keeps two moments in the parameter dtype, the 8-bit ones 1 B each
+
+
+@dataclass
+class Line:
+    role: str
+    part: str
+    gb: float
+    how: str
+    phase: str = "static"  # static | update | rollout | runtime
+
+
+@dataclass
+class Estimate:
+    lines: list[Line]
+    update_gb: float  # the update's transient peak (activations, logits)
+    rollout_gb: float  # the rollout's transient peak (KV cache, no-grad forwards)
+
+    @property
+    def static_gb(self) -> float:
+        return sum(l.gb for l in self.lines if l.phase in ("static", "runtime"))
+
+    @property
+    def total_gb(self) -> float:
+        return self.static_gb + max(self.update_gb, self.rollout_gb)
+
+
+def activation_floats_per_token_layer(shape: ModelShape, trains_weights: bool, lora_r: int, seq_len: int) -> float:
+    """Values the backward needs per token and decoder layer (measured on Qwen2 with SDPA attention,
+    scripts/bench_vs_trl.py plan-check): norms' inputs and outputs, q/k/v/attention outputs, the
+    attention's log-sum-exp, the MLP's gate/up/act/product; a frozen LoRA base skips the norm weights'
+    inputs and adds 7 r-sized LoRA intermediates; the causal mask adds L/2."""
+    H, I = shape.hidden, shape.intermediate
+    base = 10 * H + 4 * I if trains_weights else 8 * H + 4 * I + 7 * lora_r
+    return base + seq_len / 2
+
+
+def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards: list[ModelShape],
+             reference: ModelShape | None = None) -> Estimate:
+    reference = reference or policy
+    lines: list[Line] = []
+    b = DTYPE_BYTES
+    lora = s.lora
+    # --- policy
+    qlora_rest = 4.0 if s.quantization != "none" and lora is not None else None
+    lines.append(Line("policy", "weights", policy.weight_bytes(s.dtype, s.quantization, qlora_rest) / GB,
+                      weights_how(policy, s.dtype, s.quantization)))
+    if lora is not None:
+        n = policy.lora_params(lora)
+        lines.append(Line("policy", "LoRA adapter", n * 4 / GB, f"{n / 1e6:.2f}M params (r={lora.r}) x 4 B"))
+        trainable_policy, grad_bytes = n, 4.0
+    else:
+        trainable_policy, grad_bytes = policy.total_params, b[s.dtype]
+    lines.append(Line("policy", "gradients", trainable_policy * grad_bytes / GB,
+                      f"{trainable_policy / 1e6:.2f}M trainable x {grad_bytes:g} B"))
+    state_bytes = _optimizer_state_bytes(s.optimizer, grad_bytes)
+    lines.append(Line("policy", "AdamW states", ADAMW_STATES * trainable_policy * state_bytes / GB,
+                      f"2 x {trainable_policy / 1e6:.2f}M x {state_bytes:g} B"
+                      + (" (8-bit AdamW)" if s.optimizer != "adamw" else "")))
+    # --- reference
+    if s.reference == "adapter":
+        lines.append(Line("reference", "weights", 0.0, "the policy's base with the LoRA adapter disabled"))
+    else:
+        lines.append(Line("reference", "weights",
+                          reference.weight_bytes(s.reference_dtype, s.reference_quantization) / GB,
+                          "frozen copy: " + weights_how(reference, s.reference_dtype, s.reference_quantization)))
+    # --- value
+    head = policy.hidden + 1
+    if s.value_kind == "head":
+        trainable_value = head
+        lines.append(Line("value", "head", head * 4 / GB, f"scalar head on the policy's hidden states ({head} params)"))
+    elif s.value_kind == "adapter":
+        n = policy.lora_params(s.value_lora or lora)
+        trainable_value = n + head
+        lines.append(Line("value", "LoRA adapter + head", trainable_value * 4 / GB,
+                          f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B"))
+    else:
+        assert value is not None
+        trainable_value = (0 if s.value_frozen else value.total_params) + head
+        if s.value_shared:
+            lines.append(Line("value", "weights", 0.0, "the reward model's, shared (frozen)"))
+        else:
+            lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
+                              ("separate frozen model: " if s.value_frozen else "separate model: ")
+                              + weights_how(value, s.value_dtype, "none")))
+    value_bytes = 4.0 if s.value_kind != "model" or s.value_frozen else b[s.value_dtype]
+    value_state_bytes = _optimizer_state_bytes(s.optimizer, value_bytes)
+    lines.append(Line("value", "gradients + AdamW states",
+                      (value_bytes + ADAMW_STATES * value_state_bytes) * trainable_value / GB,
+                      f"{trainable_value / 1e6:.2f}M x ({value_bytes:g} + 2 x {value_state_bytes:g}) B"))
+    # --- reward
+    for shape, (dtype, quantization, _) in zip(rewards, s.rewards):
+        lines.append(Line("reward", f"weights ({Path(shape.path).name})", shape.weight_bytes(dtype, quantization) / GB,
+                          weights_how(shape, dtype, quantization)))
+
+    # --- update: activations of one micro-batch, forward kept for the backward
+    B, L, T = s.micro_batch, s.prompt_tokens + s.response_tokens, s.response_tokens
+    cb = b[s.dtype]
+    trains_weights = lora is None
+    r = lora.r if lora is not None else 0
+    if s.gradient_checkpointing:  # layer inputs kept; one layer's activations live during its recompute
+        per_token = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, trains_weights, r, L)
+        how = f"checkpointed: {B} x {L} tokens x ({policy.layers} layer inputs + 1 layer) x {cb:g} B"
+    else:
+        per_token = policy.layers * activation_floats_per_token_layer(policy, trains_weights, r, L)
+        how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
+    act = B * L * per_token * cb
+    update = [Line("policy", "activations (update)", act / GB, how, "update")]
+    if s.value_kind == "adapter" or (s.value_kind == "model" and not s.value_frozen):  # frozen: nothing kept
+        vshape = policy if s.value_kind == "adapter" else value
+        v_trains = s.value_kind == "model"
+        per = vshape.layers * activation_floats_per_token_layer(vshape, v_trains, r, L)
+        if s.gradient_checkpointing and s.value_kind == "adapter":
+            per = vshape.layers * vshape.hidden + activation_floats_per_token_layer(vshape, v_trains, r, L)
+        vb = cb if s.value_kind == "adapter" else b[s.value_dtype]
+        update.append(Line("value", "activations (update)", B * L * per * vb / GB,
+                           f"the critic's own forward: {B} x {L} tokens x {vshape.layers} layers", "update"))
+    logits = 3 * B * T * policy.vocab * 4
+    update.append(Line("policy", "logits (update)", logits / GB,
+                       f"3 x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
+    if s.device == "cpu":
+        factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
+        update.append(Line("runtime", "freed memory kept (update)", factor * sum(l.gb for l in update),
+                           f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
+
+    # --- rollout: KV cache of the generation, one no-grad forward's working set
+    R = s.rollout_batch
+    kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * cb
+    work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * B * T * policy.vocab * 4
+    for shape, (dtype, _, batch) in zip(rewards, s.rewards):
+        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
+    rollout = [
+        Line("rollout", "KV cache", kv / GB,
+             f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {cb:g} B", "rollout"),
+        Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
+    ]
+    runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
+                   "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
+                   "runtime")
+    return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+def _optimizer_state_bytes(optimizer: str, param_bytes: float) -> float:
+    """Bytes per AdamW moment per parameter: the parameter's own dtype, or 1 for the 8-bit optimizers
+    (their per-block scales add under 1%)."""
+    return param_bytes if optimizer == "adamw" else 1.0
+
+
+def weights_how(shape: ModelShape, dtype: str, quantization: str) -> str:
+    if quantization == "none":
+        return f"{shape.total_params / 1e6:.1f}M params x {DTYPE_BYTES[dtype]:g} B ({dtype})"
+    return (f"{shape.linear_params / 1e6:.1f}M in linear layers x {QUANT_BYTES[quantization]:.2f} B ({quantization}) "
+            f"+ {(shape.total_params - shape.linear_params) / 1e6:.1f}M x {DTYPE_BYTES[dtype]:g} B")
+
+
+# --- suggestions ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Suggestion:
+    change: str  # in words
+    overrides: list[str]  # --set items that make it
+    total_gb: float
+    fits: bool
+
+
+def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]:
+    """Recipe changes, one at a time and all together, with the total each gives."""
+    out: list[tuple[str, list[str], Settings]] = []
+    combined, combined_sets, n_combined = s, [], 0
+
+    def offer(change: str, sets: list[str], alt: Settings, combine: bool = True) -> None:
+        nonlocal combined, combined_sets, n_combined
+        out.append((change, sets, alt))
+        if combine:
+            combined, combined_sets, n_combined = _merge(combined, alt, s), combined_sets + sets, n_combined + 1
+
+    if s.lora is None:
+        offer("train a LoRA adapter (the reference is then the adapter disabled; value head on the policy)",
+              ["policy.lora={r: 16}", "value.kind=head"],
+              dataclasses.replace(s, lora=LoraConfig(), reference="adapter", value_kind="head"))
+    elif s.value_kind != "head":
+        offer("value head on the policy instead of a separate critic", ["value.kind=head"],
+              dataclasses.replace(s, value_kind="head"))
+    if s.lora is not None and s.quantization == "none":
+        offer("4-bit policy base (QLoRA)", ["policy.quantization=4bit"], dataclasses.replace(s, quantization="4bit"))
+    elif s.lora is None:  # only together with the LoRA change above
+        combined = dataclasses.replace(combined, quantization="4bit")
+        combined_sets.append("policy.quantization=4bit")
+    if s.reference == "copy" and s.reference_quantization == "none":
+        # With the LoRA change there is no copy any more: not part of the combination.
+        offer("4-bit reference copy", ["reference.quantization=4bit"],
+              dataclasses.replace(s, reference_quantization="4bit"), combine=s.lora is not None)
+    if any(q == "none" for _, q, _ in s.rewards):
+        sets = [f"reward.components.{i}.quantization=4bit" for i, (_, q, _) in enumerate(s.rewards) if q == "none"]
+        offer("4-bit reward model", sets, dataclasses.replace(s, rewards=tuple((d, "4bit", n) for d, _, n in s.rewards)))
+    if s.lora is None and s.optimizer == "adamw":
+        offer("8-bit AdamW (bitsandbytes)", ["optim.name=adamw_8bit"], dataclasses.replace(s, optimizer="adamw_8bit"))
+    if not s.gradient_checkpointing:
+        offer("gradient checkpointing", ["policy.gradient_checkpointing=true"],
+              dataclasses.replace(s, gradient_checkpointing=True))
+    smaller = [m for m in range(s.micro_batch - 1, 0, -1) if s.mini_batch % m == 0]
+    for micro in smaller:
+        sets = ([f"ppo.micro_batch_tokens={micro * (s.prompt_tokens + s.response_tokens)}"] if s.token_budget
+                else [f"ppo.micro_batch_size={micro}"])
+        offer(f"micro-batch {micro} (same mini-batch, more gradient accumulation)", sets,
+              dataclasses.replace(s, micro_batch=micro), combine=micro == smaller[-1])
+    if n_combined > 1:
+        out.append(("all of the above", combined_sets, combined))
+    totals = [(change, sets, total_estimate(alt, shapes).total_gb) for change, sets, alt in out]
+    return [Suggestion(change, sets, total, total <= budget_gb) for change, sets, total in totals]
+
+
+def _merge(current: Settings, alt: Settings, base: Settings) -> Settings:
+    changed = {f.name: getattr(alt, f.name) for f in dataclasses.fields(Settings) if getattr(alt, f.name) != getattr(base, f.name)}
+    return dataclasses.replace(current, **changed)
+
+
+# --- from a recipe ---------------------------------------------------------------------------------
+
+
+def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settings:
+    def dtype(name: str | None, fallback: str) -> str:
+        name = name or fallback
+        if name == "auto":
+            return "bfloat16" if device == "cuda" else "float32"
+        return name
+
+    from ppo_cli.engine.models import value_model_path
+
+    pol = recipe.policy
+    policy_dtype = dtype(pol.dtype, "float32")
+    value_dtype = dtype(recipe.value.dtype, policy_dtype)
+    frozen = recipe.value_kind == "model" and recipe.value.train_backbone is False
+    rewards = tuple(
+        (dtype(c.dtype, "float32"), c.quantization, c.batch_size)
+        for c in recipe.reward.components if c.type in ("model", "classifier")
+    )
+    return Settings(
+        device=device, dtype=policy_dtype, quantization=pol.quantization, lora=pol.lora,
+        gradient_checkpointing=pol.gradient_checkpointing,
+        reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
+        reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
+        value_kind=recipe.value_kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
+        rewards=rewards, micro_batch=update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
+        rollout_batch=recipe.ppo.rollout_batch_size,
+        prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
+        token_budget=recipe.ppo.micro_batch_tokens is not None,
+        value_frozen=frozen, optimizer=recipe.optim.name,
+        value_shared=frozen and any(
+            c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
+            for c in recipe.reward.components if c.type in ("model", "classifier")
+        ),
+    )
+
+
+def update_micro_batch(recipe: Recipe, prompt_len: int) -> int:
+    """Episodes per update forward: micro_batch_size, or, with a token budget, as many full-length
+    episodes as fit in it (the worst case: every response runs to max_new_tokens)."""
+    ppo = recipe.ppo
+    if ppo.micro_batch_tokens is None:
+        return ppo.micro_batch_size
+    return max(1, min(ppo.mini_batch_size, ppo.micro_batch_tokens // (prompt_len + recipe.generation.max_new_tokens)))
+
+
+def model_shapes(recipe: Recipe) -> dict:
+    pol = recipe.policy
+    common = dict(trust_remote_code=pol.trust_remote_code)
+    shapes = {"policy": describe_model(pol.path, "causal_lm", revision=pol.revision, **common)}
+    if recipe.reference.path is not None:
+        shapes["reference"] = describe_model(recipe.reference.path, "causal_lm", **common)
+    if recipe.value_kind == "model":
+        path = recipe.value.path
+        if path is None:
+            path = pol.path if recipe.value.init_from == "policy" else next(
+                c.path for c in recipe.reward.components if c.type in ("model", "classifier"))
+        shapes["value"] = describe_model(path, "backbone", **common)
+    shapes["rewards"] = [
+        describe_model(c.path, "classifier", trust_remote_code=c.trust_remote_code)
+        for c in recipe.reward.components if c.type in ("model", "classifier")
+    ]
+    return shapes
+
+
+def total_estimate(s: Settings, shapes: dict) -> Estimate:
+    return estimate(s, shapes["policy"], shapes.get("value"), shapes["rewards"], shapes.get("reference"))
