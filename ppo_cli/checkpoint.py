@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, unwrap_causal_lm
 from ppo_cli.memory_errors import disk_space_for
 from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
@@ -49,10 +49,10 @@ def write_manifest(directory: Path, info: dict) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
-def _save_adapter(ac: ActorCritic, adapter: str, target: Path) -> None:
+def save_adapter(policy, adapter: str, target: Path) -> None:
     """peft writes a non-default adapter into a subfolder named after it; move it to ``target``."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        ac.policy.save_pretrained(tmp, selected_adapters=[adapter])
+        policy.save_pretrained(tmp, selected_adapters=[adapter])
         shutil.move(str(Path(tmp) / adapter), target)
 
 
@@ -61,16 +61,13 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:
     critic = directory / CRITIC
     critic.mkdir()
     if ac.is_peft:
-        _save_adapter(ac, POLICY_ADAPTER, directory / "_policy")
+        save_adapter(ac.policy, POLICY_ADAPTER, directory / "_policy")
         for item in (directory / "_policy").iterdir():
             shutil.move(str(item), directory / item.name)
         (directory / "_policy").rmdir()
-        if ac.value_kind == "adapter":
-            _save_adapter(ac, VALUE_ADAPTER, critic / "value_adapter")
     else:
         unwrap_causal_lm(ac.policy).save_pretrained(directory, safe_serialization=True)
-    if ac.value_backbone is not None:
-        ac.value_backbone.save_pretrained(critic / "value_model", safe_serialization=True)
+    ac.critic.save(ac, critic)
     head = {name: t.detach().contiguous().cpu() for name, t in ac.value_head.state_dict().items()}
     save_file(head, critic / VALUE_HEAD)
     tokenizer.save_pretrained(directory)
@@ -212,7 +209,7 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _load_safetensors_into(module: torch.nn.Module, files: list[Path]) -> None:
+def load_safetensors_into(module: torch.nn.Module, files: list[Path]) -> None:
     from safetensors.torch import load_file
 
     state = {}
@@ -238,14 +235,10 @@ def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
     critic = critic_dir(directory)
     if ac.is_peft:
         set_peft_model_state_dict(ac.policy, load_file(directory / "adapter_model.safetensors"), adapter_name=POLICY_ADAPTER)
-        if ac.value_kind == "adapter":
-            state = load_file(critic / "value_adapter" / "adapter_model.safetensors")
-            set_peft_model_state_dict(ac.policy, state, adapter_name=VALUE_ADAPTER)
     else:
         weights = sorted(p for p in directory.glob("*.safetensors") if p.name != VALUE_HEAD)
-        _load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
-    if ac.value_backbone is not None:
-        _load_safetensors_into(ac.value_backbone, sorted((critic / "value_model").glob("*.safetensors")))
+        load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
+    ac.critic.load(ac, critic)
     ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
 
 

@@ -231,30 +231,15 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         lines.append(Line("reference", "weights",
                           reference.weight_bytes(s.reference_dtype, s.reference_quantization) / GB,
                           "frozen copy: " + weights_how(reference, s.reference_dtype, s.reference_quantization)))
-    # --- value
-    head = policy.hidden + 1
-    if s.value_kind == "head":
-        trainable_value = head
-        lines.append(Line("value", "head", head * 4 / GB, f"scalar head on the policy's hidden states ({head} params)"))
-    elif s.value_kind == "adapter":
-        n = policy.lora_params(s.value_lora or lora)
-        trainable_value = n + head
-        lines.append(Line("value", "LoRA adapter + head", trainable_value * 4 / GB,
-                          f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B"))
-    else:
-        assert value is not None
-        trainable_value = (0 if s.value_frozen else value.total_params) + head
-        if s.value_shared:
-            lines.append(Line("value", "weights", 0.0, "the reward model's, shared (frozen)"))
-        else:
-            lines.append(Line("value", "weights", value.total_params * b[s.value_dtype] / GB,
-                              ("separate frozen model: " if s.value_frozen else "separate model: ")
-                              + weights_how(value, s.value_dtype, "none")))
-    value_bytes = 4.0 if s.value_kind != "model" or s.value_frozen else b[s.value_dtype]
-    value_state_bytes = _optimizer_state_bytes(s.optimizer, value_bytes)
+    # --- value: what the critic kind keeps besides the policy (engine/critics.py)
+    from ppo_cli.engine.critics import CRITICS
+
+    critic = CRITICS[s.value_kind].memory(s, policy, value, lora)
+    lines += critic.static
+    value_state_bytes = _optimizer_state_bytes(s.optimizer, critic.param_bytes)
     lines.append(Line("value", "gradients + AdamW states",
-                      (value_bytes + ADAMW_STATES * value_state_bytes) * trainable_value / GB,
-                      f"{trainable_value / 1e6:.2f}M x ({value_bytes:g} + 2 x {value_state_bytes:g}) B"))
+                      (critic.param_bytes + ADAMW_STATES * value_state_bytes) * critic.trainable / GB,
+                      f"{critic.trainable / 1e6:.2f}M x ({critic.param_bytes:g} + 2 x {value_state_bytes:g}) B"))
     # --- reward
     for shape, (dtype, quantization, _) in zip(rewards, s.rewards):
         lines.append(Line("reward", f"weights ({Path(shape.path).name})", shape.weight_bytes(dtype, quantization) / GB,
@@ -273,15 +258,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
     act = B * L * per_token * cb
     update = [Line("policy", "activations (update)", act / GB, how, "update")]
-    if s.value_kind == "adapter" or (s.value_kind == "model" and not s.value_frozen):  # frozen: nothing kept
-        vshape = policy if s.value_kind == "adapter" else value
-        v_trains = s.value_kind == "model"
-        per = vshape.layers * activation_floats_per_token_layer(vshape, v_trains, r, L)
-        if s.gradient_checkpointing and s.value_kind == "adapter":
-            per = vshape.layers * vshape.hidden + activation_floats_per_token_layer(vshape, v_trains, r, L)
-        vb = cb if s.value_kind == "adapter" else b[s.value_dtype]
-        update.append(Line("value", "activations (update)", B * L * per * vb / GB,
-                           f"the critic's own forward: {B} x {L} tokens x {vshape.layers} layers", "update"))
+    update += critic.update
     logits = 3 * B * T * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"3 x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
@@ -393,7 +370,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
             return "bfloat16" if device == "cuda" else "float32"
         return name
 
-    from ppo_cli.engine.models import value_model_path
+    from ppo_cli.engine.critics import value_model_path
 
     pol = recipe.policy
     policy_dtype = dtype(pol.dtype, "float32")
@@ -401,7 +378,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
     frozen = recipe.value_kind == "model" and recipe.value.train_backbone is False
     rewards = tuple(
         (dtype(c.dtype, "float32"), c.quantization, c.batch_size)
-        for c in recipe.reward.components if c.type in ("model", "classifier")
+        for c in recipe.reward.components if c.loads_model
     )
     return Settings(
         device=device, dtype=policy_dtype, quantization=pol.quantization, lora=pol.lora,
@@ -416,7 +393,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         value_frozen=frozen, optimizer=recipe.optim.name,
         value_shared=frozen and any(
             c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
-            for c in recipe.reward.components if c.type in ("model", "classifier")
+            for c in recipe.reward.components if c.loads_model
         ),
     )
 
@@ -437,14 +414,12 @@ def model_shapes(recipe: Recipe) -> dict:
     if recipe.reference.path is not None:
         shapes["reference"] = describe_model(recipe.reference.path, "causal_lm", **common)
     if recipe.value_kind == "model":
-        path = recipe.value.path
-        if path is None:
-            path = pol.path if recipe.value.init_from == "policy" else next(
-                c.path for c in recipe.reward.components if c.type in ("model", "classifier"))
-        shapes["value"] = describe_model(path, "backbone", **common)
+        from ppo_cli.engine.critics import value_model_path
+
+        shapes["value"] = describe_model(value_model_path(recipe), "backbone", **common)
     shapes["rewards"] = [
         describe_model(c.path, "classifier", trust_remote_code=c.trust_remote_code)
-        for c in recipe.reward.components if c.type in ("model", "classifier")
+        for c in recipe.reward.components if c.loads_model
     ]
     return shapes
 

@@ -15,13 +15,14 @@ import difflib
 import json
 import types
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Iterable, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from ppo_cli.engine.critics import CRITIC_KINDS, CRITICS, resolve_kind
 from ppo_cli.errors import RecipeError
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
@@ -91,11 +92,10 @@ class ReferenceConfig(Section):
 
 
 class ValueConfig(Section):
-    kind: Literal["auto", "adapter", "head", "model"] = Field(
+    kind: Literal[("auto", *CRITIC_KINDS)] = Field(  # type: ignore[valid-type]
         "auto",
-        description="adapter: a second LoRA adapter on the policy base + a scalar head; head: a scalar head on the "
-        "policy backbone; model: a separate model + head. auto: adapter with LoRA, model without "
-        "(and always model with init_from: reward).",
+        description="; ".join(f"{name}: {cls.description}" for name, cls in CRITICS.items())
+        + ". auto: adapter with LoRA, model without (and always model with init_from: reward).",
     )
     init_from: Literal["policy", "reward"] = Field(
         "policy", description="Initialise a separate value model from the policy or the reward model (InstructGPT)."
@@ -114,6 +114,7 @@ class ValueConfig(Section):
 
 
 class ModelReward(Section):
+    loads_model: ClassVar[bool] = True  # a sequence-classification model to load (memory, value init_from)
     type: Literal["model"]
     path: str = Field(..., description="A sequence-classification model with one output (a scalar reward model).")
     weight: float = Field(1.0, description="Multiplies this component's score in the weighted sum.")
@@ -130,6 +131,7 @@ class ModelReward(Section):
 
 
 class ClassifierReward(Section):
+    loads_model: ClassVar[bool] = True
     type: Literal["classifier"]
     path: str = Field(..., description="A sequence classifier whose labels are mapped to rewards.")
     labels: dict[str, float] = Field(..., min_length=1, description="Label name -> reward, e.g. {positive: 10}.")
@@ -151,6 +153,7 @@ class ClassifierReward(Section):
 
 
 class FunctionReward(Section):
+    loads_model: ClassVar[bool] = False
     type: Literal["function"]
     function: str = Field(
         ...,
@@ -160,6 +163,8 @@ class FunctionReward(Section):
     weight: float = Field(1.0, description="Multiplies this component's score in the weighted sum.")
 
 
+# Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below, and its
+# scorer in engine/rewards.py's SCORERS.
 RewardComponent = Annotated[Union[ModelReward, ClassifierReward, FunctionReward], Field(discriminator="type")]
 
 
@@ -431,13 +436,8 @@ class Recipe(Section):
 
     @property
     def value_kind(self) -> str:
-        """The value model's resolved kind: 'auto' becomes 'adapter' with LoRA (unless the value model is
-        initialised from the reward model), 'model' otherwise."""
-        if self.value.kind != "auto":
-            return self.value.kind
-        if self.policy.lora is not None and self.value.init_from == "policy":
-            return "adapter"
-        return "model"
+        """The value model's resolved kind (engine/critics.py resolve_kind: 'auto' made concrete)."""
+        return resolve_kind(self)
 
     @model_validator(mode="after")
     def _roles_fit_together(self) -> "Recipe":
@@ -455,7 +455,7 @@ class Recipe(Section):
                     "set `value.kind: model` (or auto), or `value.init_from: policy`",
                     key="value.init_from",
                 )
-            if value.path is None and not any(c.type in ("model", "classifier") for c in self.reward.components):
+            if value.path is None and not any(c.loads_model for c in self.reward.components):
                 raise _rule_error(
                     "'reward' needs a reward component of type 'model' or 'classifier' to start from",
                     "add a model or classifier reward component, set `value.path`, or set `value.init_from: policy`",

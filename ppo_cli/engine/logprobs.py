@@ -19,7 +19,7 @@ import inspect
 import torch
 from torch import nn
 
-from ppo_cli.engine.models import POLICY_ADAPTER, VALUE_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, unwrap_causal_lm
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -98,9 +98,9 @@ def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch
 
 
 def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
-    """(logits (B, T, V), values (B, T) or None): values come free when the head shares the backbone."""
+    """(logits (B, T, V), values (B, T) or None): values come free when the critic reads the policy's states."""
     ac.use_adapter(POLICY_ADAPTER)
-    with_head = ac.value_kind == "head"
+    with_head = ac.value_reads_policy_hidden
     logits, hidden = causal_lm_forward(ac.policy, sequences, attention_mask, response_len, temperature, keep_hidden=with_head)
     values = None
     if with_head:
@@ -110,23 +110,11 @@ def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int
     return logits, values
 
 
-def value_features(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
-    """What the value head reads (B, T, H) from the critic's own network: the second adapter on the
-    shared base, or the separate backbone (value kinds adapter and model)."""
-    if ac.value_kind == "adapter":
-        ac.use_adapter(VALUE_ADAPTER)
-        hidden = backbone_hidden(ac.policy, sequences, attention_mask)
-        ac.use_adapter(POLICY_ADAPTER)
-    else:
-        hidden = backbone_hidden(ac.value_backbone, sequences, attention_mask)
-    return response_slice(hidden, response_len)
-
-
 def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
     """Values (B, T) from the critic."""
-    if ac.value_kind == "head":
+    if ac.critic.reads_policy_hidden:
         return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
-    return values_from_hidden(ac, value_features(ac, sequences, attention_mask, response_len))
+    return values_from_hidden(ac, ac.critic.features(ac, sequences, attention_mask, response_len))
 
 
 def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float) -> torch.Tensor:

@@ -16,12 +16,12 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from ppo_cli.engine.critics import CRITICS, Critic, value_model_path
 from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
 from ppo_cli.recipe import LoraConfig, Recipe
 from ppo_cli.runs import check_adapter_reference, check_model_reference, hub_offline
 
 POLICY_ADAPTER = "policy"
-VALUE_ADAPTER = "value"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -195,7 +195,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
     return tokenizer
 
 
-def _peft_lora_config(lora: LoraConfig):
+def peft_lora_config(lora: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
@@ -218,22 +218,20 @@ def hidden_size_of(model: nn.Module) -> int:
     return getattr(config, "hidden_size", None) or config.get_text_config().hidden_size
 
 
-VALUE_HEAD_LR_WIDTH = 4.0  # value.kind head's default lr = this / hidden_size (see default_value_lr)
-
-
 class ActorCritic(nn.Module):
     """Policy, value and reference behind one interface, whatever the memory layout.
 
-    ``value_kind``: 'adapter' (LoRA adapter ``value`` on the policy base + head), 'head' (head on the
-    policy's own hidden states: one forward gives logits and values) or 'model' (separate backbone + head).
+    ``critic``: the value model's kind (engine/critics.py), which knows its network and parameters;
+    ``value_head`` (float32 ``Linear(H, 1)``) and ``value_backbone`` (kind model's network) are
+    registered here so that one module holds every trained parameter.
     """
 
-    def __init__(self, policy: nn.Module, value_kind: str, value_head: nn.Linear,
+    def __init__(self, policy: nn.Module, critic: Critic | None, value_head: nn.Linear | None,
                  value_backbone: nn.Module | None = None, ref_model: nn.Module | None = None,
                  head_trains_backbone: bool = False):
         super().__init__()
         self.policy = policy
-        self.value_kind = value_kind
+        self.critic = critic
         self.head_trains_backbone = head_trains_backbone
         self.value_head = value_head
         self.value_backbone = value_backbone
@@ -241,6 +239,10 @@ class ActorCritic(nn.Module):
         self.reference_is_policy = False  # inference on the reference itself: the KL is 0 by definition
         self.is_peft = hasattr(policy, "disable_adapter")
         self._trainable = [p for p in self.parameters() if p.requires_grad]
+
+    @property
+    def value_kind(self) -> str:
+        return self.critic.kind if self.critic is not None else "none"
 
     # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
     # ours must keep their gradients (one backward covers both), so restore them after switching.
@@ -260,32 +262,24 @@ class ActorCritic(nn.Module):
             yield
 
     def default_value_lr(self, policy_lr: float) -> float:
-        """A value head alone is a read-out layer: its Adam step moves the value by about lr * hidden_size
-        (every weight moves by lr, in step with its feature), so its rate scales as 1 / width (as in muP).
-        Measured on the tiny task (hidden 96, docs/benchmarks.md): the reward curve improves with the
-        head's rate up to 4 / hidden_size and a little beyond; the policy's 1e-3 was far too slow. Every
-        other critic trains a backbone and keeps the policy's rate."""
-        if self.value_kind == "head":
-            return VALUE_HEAD_LR_WIDTH / hidden_size_of(self.policy)
-        return policy_lr
+        return self.critic.default_lr(self, policy_lr)
 
     @property
     def value_features_fixed(self) -> bool:
-        """A frozen separate value model: its features for a rollout never change, so the update can
-        reuse the rollout's instead of running the value model again."""
-        return self.value_backbone is not None and not any(p.requires_grad for p in self.value_backbone.parameters())
+        return self.critic is not None and self.critic.features_fixed(self)
+
+    @property
+    def value_reads_policy_hidden(self) -> bool:
+        return self.critic is not None and self.critic.reads_policy_hidden
 
     def policy_parameters(self) -> list[nn.Parameter]:
         value_ids = {id(p) for p in self.value_parameters()}
         return [p for p in self._trainable if id(p) not in value_ids]
 
     def value_parameters(self) -> list[nn.Parameter]:
-        params = list(self.value_head.parameters())
-        if self.value_backbone is not None:
-            params += [p for p in self.value_backbone.parameters() if p.requires_grad]
-        if self.value_kind == "adapter":
-            params += [p for n, p in self.policy.named_parameters() if f".{VALUE_ADAPTER}." in n and p.requires_grad]
-        return params
+        if self.critic is None:
+            return []
+        return list(self.value_head.parameters()) + self.critic.trained_parameters(self)
 
 
 def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | None = None) -> nn.Linear:
@@ -307,8 +301,6 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     ``loaded``: sequence-classification models already in memory (the reward's), by path. A frozen
     value model on one of them (value.train_backbone: false) shares its weights instead of a copy.
     """
-    from transformers import AutoModel
-
     pol = recipe.policy
     dtype = resolve_dtype(pol.dtype, device)
     common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision,
@@ -321,7 +313,7 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
 
         if pol.quantization != "none":
             policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
-        policy = get_peft_model(policy, _peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
+        policy = get_peft_model(policy, peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
         # What adapter_config.json names as the base: the path or hub id as the recipe gave it, never
         # a path resolved on this machine (nor a temporary directory the merged model came from).
         policy.peft_config[POLICY_ADAPTER].base_model_name_or_path = pol.path
@@ -338,47 +330,13 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
         )
         freeze(ref_model)
 
-    kind = recipe.value_kind
-    value_backbone, init_from = None, None
-    hidden = hidden_size_of(policy)
-    if kind == "adapter":
-        policy.add_adapter(VALUE_ADAPTER, _peft_lora_config(recipe.value.lora or pol.lora))
-        policy.peft_config[VALUE_ADAPTER].base_model_name_or_path = pol.path
-        for name, param in policy.named_parameters():  # add_adapter leaves the inactive adapter frozen
-            if "lora_" in name:
-                param.requires_grad_(True)
-    elif kind == "model":
-        value_path = value_model_path(recipe)
-        value_dtype = resolve_dtype(recipe.value.dtype or pol.dtype, device)
-        frozen = recipe.value.train_backbone is False  # a head on frozen features (None: trained, the default)
-        shared = (loaded or {}).get(value_path)
-        if frozen and shared is not None and shared.dtype == value_dtype and not is_quantized(shared):
-            value_backbone, init_from = shared.base_model, shared  # the reward model itself: no second copy
-        elif value_path == pol.path and pol.adapter is not None:  # the critic starts from the starting policy
-            value_backbone = load_causal_lm(pol.path, pol.adapter, dtype=value_dtype, **common).base_model
-            value_backbone.train()
-        else:
-            value_backbone = load_pretrained(AutoModel, value_path, dtype=value_dtype, **common)
-            value_backbone.train()
-            if frozen:
-                freeze(value_backbone)
-        hidden = value_backbone.config.hidden_size
-        if recipe.value.init_from == "reward" and init_from is None:
-            from transformers import AutoModelForSequenceClassification
-
-            init_from = load_pretrained(AutoModelForSequenceClassification, value_path, dtype=torch.float32, **common)
+    critic = CRITICS[recipe.value_kind]()
+    value_backbone, hidden, init_from = critic.build(recipe, policy, device, loaded or {}, common)
     torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
-    model = ActorCritic(policy, kind, _value_head(hidden, device, init_from), value_backbone, ref_model,
+    model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
                         head_trains_backbone=bool(recipe.value.train_backbone))
     model.use_adapter(POLICY_ADAPTER)
     return model
-
-
-def value_model_path(recipe: Recipe) -> str:
-    """The separate value model's checkpoint (value.kind model): value.path, the reward model, or the policy."""
-    if recipe.value.path is not None:
-        return recipe.value.path
-    return _first_reward_model_path(recipe) if recipe.value.init_from == "reward" else recipe.policy.path
 
 
 def check_value_model_tokenizer(recipe: Recipe, policy_tokenizer) -> None:
@@ -391,13 +349,3 @@ def check_value_model_tokenizer(recipe: Recipe, policy_tokenizer) -> None:
             f"value model '{path}' has a different tokenizer from the policy's, but reads the policy's token ids",
             hint="use value.kind: adapter or head, or a value model (value.path) built on the policy's tokenizer",
         )
-
-
-def _first_reward_model_path(recipe: Recipe) -> str:
-    for component in recipe.reward.components:
-        if component.type in ("model", "classifier"):
-            return component.path
-    raise ModelReferenceError(
-        "value.init_from is 'reward' but the reward has no model component",
-        hint="set value.init_from: policy, or value.path",
-    )

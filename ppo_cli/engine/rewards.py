@@ -19,7 +19,7 @@ import torch
 
 from ppo_cli.engine.chat import check_chat_template, conversation_text
 from ppo_cli.engine.data import is_conversation
-from ppo_cli.errors import DataError, RecipeError, RewardFunctionError, RewardFunctionFailed
+from ppo_cli.errors import DataError, ModelReferenceError, RecipeError, RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
 
 
@@ -58,7 +58,7 @@ def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[flo
 
 
 class FunctionScorer:
-    def __init__(self, component: FunctionReward):
+    def __init__(self, component: FunctionReward, device: torch.device | None = None, system_prompt: str | None = None):
         self.spec = component.function
         self.fn = load_reward_function(component.function)
 
@@ -170,6 +170,21 @@ class ModelScorer:
         return value * confidence if self.component.scale_by_confidence else value
 
 
+# A reward component's ``type`` -> the class that scores with it, built as cls(component, device, system_prompt).
+SCORERS = {"model": ModelScorer, "classifier": ModelScorer, "function": FunctionScorer}
+
+
+def first_reward_model_path(recipe) -> str:
+    """The first reward component that is a model (a separate critic can start from it)."""
+    for component in recipe.reward.components:
+        if component.loads_model:
+            return component.path
+    raise ModelReferenceError(
+        "value.init_from is 'reward' but the reward has no model component",
+        hint="set value.init_from: policy, or value.path",
+    )
+
+
 def _component_name(component, index: int, taken: set[str]) -> str:
     if isinstance(component, FunctionReward):
         base = component.function.rpartition(":")[2]
@@ -196,10 +211,7 @@ class RewardStack:
         taken: set[str] = set()
         self.scorers = []
         for index, component in enumerate(config.components):
-            if isinstance(component, FunctionReward):
-                scorer = FunctionScorer(component)
-            else:
-                scorer = ModelScorer(component, device, system_prompt)
+            scorer = SCORERS[component.type](component, device, system_prompt)
             self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
 
     def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int]) -> ScoreResult:

@@ -17,7 +17,6 @@ from ppo_cli.engine.logprobs import (
     policy_forward,
     reference_logprobs,
     selective_log_softmax,
-    value_features,
     value_forward,
     values_from_hidden,
 )
@@ -85,7 +84,7 @@ class Engine:
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
         if not from_generation:
             return trim_padding(generate(*args)), None
-        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_kind == "head")
+        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_reads_policy_hidden)
         generation = trim_padding(generation)
         T = generation.response_ids.shape[1]
         return generation, SampledForward(logprobs[:, :T], hidden[:, :T] if hidden is not None else None)
@@ -111,7 +110,7 @@ class Engine:
         sequences, attention_mask = generation.sequences, generation.attention_mask
         T = generation.response_ids.shape[1]
         logprobs, ref_logprobs, values, features = [], [], [], []
-        has_critic, keep_features = ac.value_head is not None, ac.value_features_fixed
+        has_critic, keep_features = ac.critic is not None, ac.value_features_fixed
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
             if sampled is None:
@@ -127,7 +126,7 @@ class Engine:
                 else:
                     ref = reference_logprobs(ac, seq, attn, resp, temperature)
                 if keep_features:
-                    features.append(value_features(ac, seq, attn, T).clone())
+                    features.append(ac.critic.features(ac, seq, attn, T).clone())
                     vals = values_from_hidden(ac, features[-1])
                 if has_critic and vals is None:
                     vals = value_forward(ac, seq, attn, T)
@@ -225,7 +224,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe, tokenizer)
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
-    loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if hasattr(s, "model")}
+    loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     actor_critic = build_actor_critic(recipe, device, loaded)
     if device.type == "cpu":
         models = [actor_critic.policy, actor_critic.ref_model] + [getattr(s, "model", None) for _, _, s in reward.scorers]
@@ -269,11 +268,8 @@ class InferencePolicy(ActorCritic):
 
     def __init__(self, policy: torch.nn.Module, ref_model: torch.nn.Module | None = None, reference_is_policy: bool = False):
         policy.requires_grad_(False)
-        super().__init__(policy, value_kind="none", value_head=None, ref_model=ref_model)
+        super().__init__(policy, critic=None, value_head=None, ref_model=ref_model)
         self.reference_is_policy = reference_is_policy
-
-    def value_parameters(self) -> list:
-        return []
 
 
 def _same_model(a: str, b: str) -> bool:

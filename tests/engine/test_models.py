@@ -133,7 +133,8 @@ def test_value_head_leaves_the_policy_weights_to_the_policy_loss_unless_asked(ma
 
 
 def test_value_learning_rate_defaults_by_critic_kind(make_engine):
-    from ppo_cli.engine.models import VALUE_HEAD_LR_WIDTH, hidden_size_of
+    from ppo_cli.engine.critics import VALUE_HEAD_LR_WIDTH
+    from ppo_cli.engine.models import hidden_size_of
 
     def group_lrs(**sets):
         engine = make_engine(**sets)

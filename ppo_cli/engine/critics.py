@@ -1,0 +1,260 @@
+"""Critics: one class per ``value.kind``, holding everything that kind means.
+
+| kind    | network under the scalar value head                         | its values come from                 |
+| ------- | ----------------------------------------------------------- | ------------------------------------ |
+| head    | the policy's own decoder states (no second network)         | the policy's forward, at no cost     |
+| adapter | a second LoRA adapter ``value`` on the policy's base         | a forward of the base with it active |
+| model   | a separate model: the policy's, the reward model's or value.path | its own forward                 |
+
+A kind knows how it is built (``build``: the network the head reads, and what the head starts
+from), which parameters it trains, its default learning rate, the features its head reads
+(``features``), what it saves and loads in a checkpoint's critic/ folder, and the memory ``ppo plan``
+counts for it (``memory``: pure arithmetic on the plan's Settings and model shapes). The head itself
+(a float32 ``nn.Linear(H, 1)``) is common to every kind and saved by the checkpoint code.
+
+Adding a kind: a class here, listed in CRITICS; ``value.kind`` in the recipe takes its names from
+CRITIC_KINDS. Importing this module does not import torch (the recipe schema reads CRITIC_KINDS).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ppo_cli.engine.models import ActorCritic
+    from ppo_cli.recipe import Recipe
+
+VALUE_ADAPTER = "value"
+VALUE_HEAD_LR_WIDTH = 4.0  # value.kind head's default lr = this / hidden_size (HeadCritic.default_lr)
+
+
+class CriticMemory(NamedTuple):
+    """A critic kind's part of ``ppo plan`` (ppo_cli/memory.py)."""
+
+    static: list  # Lines held for the whole run (weights, adapter)
+    update: list  # Lines of the update's activations
+    trainable: int  # parameters the value loss trains, the head included
+    param_bytes: float  # bytes per trained parameter (and per gradient)
+
+
+class Critic:
+    """The common part: a kind's name, and what a kind without a network of its own does."""
+
+    kind: ClassVar[str]
+    description: ClassVar[str]
+    reads_policy_hidden: ClassVar[bool] = False  # values come with the policy's own forward
+
+    @classmethod
+    def build(cls, recipe: Recipe, policy, device, loaded: dict, common: dict):
+        """(the network the head reads or None, its hidden size, a reward model to start the head from or None)."""
+        raise NotImplementedError
+
+    def trained_parameters(self, ac: ActorCritic) -> list:
+        """The parameters the value loss trains besides the head."""
+        return []
+
+    def default_lr(self, ac: ActorCritic, policy_lr: float) -> float:
+        """A critic that trains a backbone learns at the policy's rate."""
+        return policy_lr
+
+    def features_fixed(self, ac: ActorCritic) -> bool:
+        """Are the features for a rollout the same at every update (a frozen network)? Then the update
+        reuses the rollout's instead of running the critic again."""
+        return False
+
+    def features(self, ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
+        """What the head reads (B, T, H) at the response positions, from the critic's own network (a
+        critic that reads_policy_hidden has none: its features come with the policy's forward)."""
+        raise NotImplementedError
+
+    def save(self, ac: ActorCritic, critic_dir: Path) -> None:
+        """Write the critic's network (not the head) into ``critic_dir``."""
+
+    def load(self, ac: ActorCritic, critic_dir: Path) -> None:
+        """Inverse of save, into the already-built network."""
+
+    @staticmethod
+    def memory(s, policy, value, lora) -> CriticMemory:
+        """What ``ppo plan`` counts for this kind besides the policy (s: memory.Settings; shapes: memory.ModelShape)."""
+        raise NotImplementedError
+
+
+class HeadCritic(Critic):
+    kind = "head"
+    description = "a scalar head on the policy's own hidden states: one forward gives logits and values"
+    reads_policy_hidden = True
+
+    @classmethod
+    def build(cls, recipe, policy, device, loaded, common):
+        from ppo_cli.engine.models import hidden_size_of
+
+        return None, hidden_size_of(policy), None
+
+    def default_lr(self, ac, policy_lr):
+        """A value head alone is a read-out layer: its Adam step moves the value by about lr * hidden_size
+        (every weight moves by lr, in step with its feature), so its rate scales as 1 / width (as in muP).
+        Measured on the tiny task (hidden 96, docs/benchmarks.md): the reward curve improves with the
+        head's rate up to 4 / hidden_size and a little beyond; the policy's 1e-3 was far too slow."""
+        from ppo_cli.engine.models import hidden_size_of
+
+        return VALUE_HEAD_LR_WIDTH / hidden_size_of(ac.policy)
+
+    @staticmethod
+    def memory(s, policy, value, lora):
+        from ppo_cli.memory import GB, Line
+
+        head = policy.hidden + 1
+        line = Line("value", "head", head * 4 / GB, f"scalar head on the policy's hidden states ({head} params)")
+        return CriticMemory([line], [], head, 4.0)
+
+
+class AdapterCritic(Critic):
+    kind = "adapter"
+    description = "a second LoRA adapter on the policy's base + a scalar head (needs policy.lora)"
+
+    @classmethod
+    def build(cls, recipe, policy, device, loaded, common):
+        from ppo_cli.engine.models import hidden_size_of, peft_lora_config
+
+        policy.add_adapter(VALUE_ADAPTER, peft_lora_config(recipe.value.lora or recipe.policy.lora))
+        policy.peft_config[VALUE_ADAPTER].base_model_name_or_path = recipe.policy.path
+        for name, param in policy.named_parameters():  # add_adapter leaves the inactive adapter frozen
+            if "lora_" in name:
+                param.requires_grad_(True)
+        return None, hidden_size_of(policy), None
+
+    def trained_parameters(self, ac):
+        return [p for n, p in ac.policy.named_parameters() if f".{VALUE_ADAPTER}." in n and p.requires_grad]
+
+    def features(self, ac, sequences, attention_mask, response_len):
+        from ppo_cli.engine.logprobs import backbone_hidden, response_slice
+        from ppo_cli.engine.models import POLICY_ADAPTER
+
+        ac.use_adapter(VALUE_ADAPTER)
+        hidden = backbone_hidden(ac.policy, sequences, attention_mask)
+        ac.use_adapter(POLICY_ADAPTER)
+        return response_slice(hidden, response_len)
+
+    def save(self, ac, critic_dir):
+        from ppo_cli.checkpoint import save_adapter
+
+        save_adapter(ac.policy, VALUE_ADAPTER, critic_dir / "value_adapter")
+
+    def load(self, ac, critic_dir):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(critic_dir / "value_adapter" / "adapter_model.safetensors")
+        set_peft_model_state_dict(ac.policy, state, adapter_name=VALUE_ADAPTER)
+
+    @staticmethod
+    def memory(s, policy, value, lora):
+        from ppo_cli.memory import DTYPE_BYTES, GB, Line, activation_floats_per_token_layer
+
+        n = policy.lora_params(s.value_lora or lora) + policy.hidden + 1
+        static = [Line("value", "LoRA adapter + head", n * 4 / GB,
+                       f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B")]
+        B, L, r = s.micro_batch, s.prompt_tokens + s.response_tokens, lora.r
+        per = policy.layers * activation_floats_per_token_layer(policy, False, r, L)
+        if s.gradient_checkpointing:
+            per = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, False, r, L)
+        update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.dtype] / GB,
+                       f"the critic's own forward: {B} x {L} tokens x {policy.layers} layers", "update")]
+        return CriticMemory(static, update, n, 4.0)
+
+
+class ModelCritic(Critic):
+    kind = "model"
+    description = "a separate model + a scalar head, from the policy, the reward model (init_from) or value.path"
+
+    @classmethod
+    def build(cls, recipe, policy, device, loaded, common):
+        from transformers import AutoModel, AutoModelForSequenceClassification
+
+        from ppo_cli.engine.models import freeze, is_quantized, load_causal_lm, load_pretrained, resolve_dtype
+
+        pol, value = recipe.policy, recipe.value
+        path = value_model_path(recipe)
+        dtype = resolve_dtype(value.dtype or pol.dtype, device)
+        frozen = value.train_backbone is False  # a head on frozen features (None: trained, the default)
+        shared, init_from = loaded.get(path), None
+        if frozen and shared is not None and shared.dtype == dtype and not is_quantized(shared):
+            backbone, init_from = shared.base_model, shared  # the reward model itself: no second copy
+        elif path == pol.path and pol.adapter is not None:  # the critic starts from the starting policy
+            backbone = load_causal_lm(pol.path, pol.adapter, dtype=dtype, **common).base_model
+            backbone.train()
+        else:
+            backbone = load_pretrained(AutoModel, path, dtype=dtype, **common)
+            backbone.train()
+            if frozen:
+                freeze(backbone)
+        if value.init_from == "reward" and init_from is None:
+            import torch
+
+            init_from = load_pretrained(AutoModelForSequenceClassification, path, dtype=torch.float32, **common)
+        return backbone, backbone.config.hidden_size, init_from
+
+    def trained_parameters(self, ac):
+        return [p for p in ac.value_backbone.parameters() if p.requires_grad]
+
+    def features_fixed(self, ac):
+        return not any(p.requires_grad for p in ac.value_backbone.parameters())
+
+    def features(self, ac, sequences, attention_mask, response_len):
+        from ppo_cli.engine.logprobs import backbone_hidden, response_slice
+
+        return response_slice(backbone_hidden(ac.value_backbone, sequences, attention_mask), response_len)
+
+    def save(self, ac, critic_dir):
+        ac.value_backbone.save_pretrained(critic_dir / "value_model", safe_serialization=True)
+
+    def load(self, ac, critic_dir):
+        from ppo_cli.checkpoint import load_safetensors_into
+
+        load_safetensors_into(ac.value_backbone, sorted((critic_dir / "value_model").glob("*.safetensors")))
+
+    @staticmethod
+    def memory(s, policy, value, lora):
+        from ppo_cli.memory import DTYPE_BYTES, GB, Line, activation_floats_per_token_layer, weights_how
+
+        head = value.hidden + 1 if value is not None else policy.hidden + 1
+        if s.value_shared:
+            static = [Line("value", "weights", 0.0, "the reward model's, shared (frozen)")]
+        else:
+            static = [Line("value", "weights", value.total_params * DTYPE_BYTES[s.value_dtype] / GB,
+                           ("separate frozen model: " if s.value_frozen else "separate model: ")
+                           + weights_how(value, s.value_dtype, "none"))]
+        if s.value_frozen:  # only the head trains, and nothing is kept for a backward
+            return CriticMemory(static, [], head, 4.0)
+        B, L = s.micro_batch, s.prompt_tokens + s.response_tokens
+        per = value.layers * activation_floats_per_token_layer(value, True, lora.r if lora else 0, L)
+        update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.value_dtype] / GB,
+                       f"the critic's own forward: {B} x {L} tokens x {value.layers} layers", "update")]
+        return CriticMemory(static, update, value.total_params + head, DTYPE_BYTES[s.value_dtype])
+
+
+CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, HeadCritic, ModelCritic)}
+CRITIC_KINDS = tuple(CRITICS)
+
+
+def resolve_kind(recipe: Recipe) -> str:
+    """``value.kind`` with 'auto' resolved: a second adapter with LoRA (unless the critic starts from
+    the reward model, which needs a model of its own), a separate model otherwise."""
+    if recipe.value.kind != "auto":
+        return recipe.value.kind
+    return "adapter" if recipe.policy.lora is not None and recipe.value.init_from == "policy" else "model"
+
+
+def value_model_path(recipe: Recipe) -> str:
+    """The separate value model's checkpoint (kind model): value.path, the reward model, or the policy."""
+    if recipe.value.path is not None:
+        return recipe.value.path
+    if recipe.value.init_from == "policy":
+        return recipe.policy.path
+    from ppo_cli.engine.rewards import first_reward_model_path
+
+    return first_reward_model_path(recipe)
