@@ -32,6 +32,23 @@ def tiny_models() -> Path:
     return out
 
 
+# Fixtures that build or load models: a test that asks for one belongs to the slow suite, so that
+# `pytest -m "not slow"` never builds the tiny models (checked below at collection).
+MODEL_FIXTURES = ("tiny_models", "sft_adapter")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Fail the run when an unmarked test requests a model fixture (directly or through another fixture)."""
+    unmarked = [item.nodeid for item in items
+                if item.get_closest_marker("slow") is None
+                and set(MODEL_FIXTURES) & set(getattr(item, "fixturenames", ()))]
+    if unmarked:
+        raise pytest.UsageError(
+            f"these tests use {' or '.join(MODEL_FIXTURES)} but are not marked @pytest.mark.slow "
+            "(a module's pytestmark or the test's own mark), so `-m \"not slow\"` would build models:\n  "
+            + "\n  ".join(unmarked))
+
+
 def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
     """--set overrides that point a recipe at the tiny models and a temporary run directory."""
     sets = {

@@ -194,11 +194,53 @@ def test_there_are_at_least_30_distinct_bad_inputs():
     assert len({case_id for case_id, _, _ in CASES}) == len(CASES) >= 30
 
 
-@pytest.mark.parametrize("case_id, build, expected", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expected, tiny_models, tmp_path, monkeypatch):
+# Cases that load weights (the corrupt copy of the policy; the reward model, to read its labels): run with the tiny models, in the slow suite.
+# Every other case fails on the recipe, the files or the configs before any weights load, so stub model
+# directories (STUB_CONFIGS: config.json only) stand in for the tiny models and no model is built.
+MODEL_CASES = {"policy-weights-corrupt", "reward-labels-unknown"}
+_QWEN2 = {"model_type": "qwen2", "vocab_size": 1089, "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": 0, "pad_token_id": 1, "tie_word_embeddings": True}
+STUB_CONFIGS = {
+    "policy": {"architectures": ["Qwen2ForCausalLM"], **_QWEN2},
+    "reward": {"architectures": ["Qwen2ForSequenceClassification"], **_QWEN2,
+               "id2label": {"0": "negative", "1": "neutral", "2": "positive"},
+               "label2id": {"negative": 0, "neutral": 1, "positive": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def stub_models(tmp_path_factory) -> Path:
+    """models/policy and models/reward holding the tiny models' config.json and nothing else."""
+    root = tmp_path_factory.mktemp("stub-models")
+    for name, config in STUB_CONFIGS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _cases(model_cases: bool) -> list:
+    return [pytest.param(*case, id=case[0]) for case in CASES if (case[0] in MODEL_CASES) == model_cases]
+
+
+@pytest.mark.parametrize("case_id, build, expected", _cases(model_cases=False))
+def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expected, stub_models, tmp_path, monkeypatch):
+    _check_bad_input(case_id, build, expected, stub_models, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id, build, expected", _cases(model_cases=True))
+def test_bad_model_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expected, tiny_models, tmp_path, monkeypatch):
+    _check_bad_input(case_id, build, expected, tiny_models, tmp_path, monkeypatch)
+
+
+def test_every_bad_input_case_runs_in_one_of_the_two_tests():
+    assert MODEL_CASES <= {case_id for case_id, _, _ in CASES}
+
+
+def _check_bad_input(case_id, build, expected, models: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    env = Env(tmp_path, tiny_models)
+    env = Env(tmp_path, models)
     args = build(env)
     before = _snapshot(tmp_path)
     result = runner.invoke(app, args)
@@ -221,6 +263,7 @@ def test_bad_input_gets_one_clear_line_and_a_nonzero_exit(case_id, build, expect
 RAISES_IN_UPDATE_1 = "def reward(prompts, responses):\n    raise ValueError('broken reward')\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("existing", [False, True], ids=["new-output-dir", "folder-with-user-files"])
 def test_a_run_failing_in_its_first_update_takes_back_only_what_it_wrote(existing, tiny_models, tmp_path, monkeypatch):
     """Nothing half-started blocks the next run or becomes 'the latest run'; the user's files stay."""

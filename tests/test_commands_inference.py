@@ -16,6 +16,9 @@ from typer.testing import CliRunner
 from ppo_cli.cli import app
 from tests.conftest import ROOT, tiny_overrides
 
+# Every test uses the run the module fixture trains: the slow suite.
+pytestmark = pytest.mark.slow
+
 RECIPE = ROOT / "recipes" / "tiny_sentiment.yaml"
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is"]
 runner = CliRunner()
@@ -349,7 +352,6 @@ CHATS = [
 ROLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 
 
-@pytest.mark.slow
 def test_rollout_of_conversations_keeps_the_messages_and_templates_them(ws: Workspace, tmp_path: Path):
     import shutil
 
@@ -369,7 +371,6 @@ def test_rollout_of_conversations_keeps_the_messages_and_templates_them(ws: Work
     assert rows[0]["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.slow
 def test_conversations_for_a_policy_without_a_chat_template_is_one_line(ws: Workspace, tmp_path: Path):
     prompts = tmp_path / "chats.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in CHATS))

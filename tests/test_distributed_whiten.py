@@ -3,6 +3,7 @@
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,6 +37,7 @@ def _concat(values, masks):
     return torch.cat([pad(v, 0.0) for v in values]), torch.cat([pad(m, False) for m in masks])
 
 
+@pytest.mark.slow
 def test_masked_whiten_across_two_processes_equals_whitening_the_concatenated_batch():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

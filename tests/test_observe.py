@@ -57,6 +57,7 @@ def test_a_resumed_run_rebuilds_its_warnings_quietly(tmp_path, printed):
     assert printed == [] and metrics["health/warnings"] == ["eos_stuck"]  # announced before the resume
 
 
+@pytest.mark.slow
 def test_finish_adds_throughput_warnings_and_existing_files(tmp_path, printed):
     pytest.importorskip("matplotlib")
     recipe, run = make_run(tmp_path, 4, "logging.tensorboard=true")

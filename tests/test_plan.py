@@ -157,6 +157,7 @@ def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir)
     assert ("value", "activations (update)") not in p  # a frozen forward keeps nothing for the backward
 
 
+@pytest.mark.slow
 def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
     from ppo_cli.memory import settings_from_recipe
     from ppo_cli.recipe import load_recipe

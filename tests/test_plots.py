@@ -52,6 +52,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])  # IHDR width, height
 
 
+@pytest.mark.slow
 def test_plot_run_writes_a_readable_png(tmp_path):
     pytest.importorskip("matplotlib")
     run = write_metrics(tmp_path / "run")
@@ -63,6 +64,7 @@ def test_plot_run_writes_a_readable_png(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == [PLOT_NAME]  # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_plot_run_replaces_an_existing_plot(tmp_path):
     pytest.importorskip("matplotlib")
     run = write_metrics(tmp_path / "run", updates=5)
@@ -71,6 +73,7 @@ def test_plot_run_replaces_an_existing_plot(tmp_path):
     assert plot_run(run).read_bytes() != first
 
 
+@pytest.mark.slow
 def test_plot_handles_metrics_missing_from_the_log(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -100,6 +103,7 @@ def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     assert "pip install" in err.value.hint
 
 
+@pytest.mark.slow
 def test_ppo_plot_command(tmp_path):
     pytest.importorskip("matplotlib")
     run = write_metrics(tmp_path / "run")

@@ -64,6 +64,7 @@ def _ranks_of_sampled_tokens(model, generation) -> torch.Tensor:
     return ranks[generation.response_mask]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_sampling_ignores_the_models_own_generation_defaults(tiny_models, top_k):
     """PPO's log-probs are the full softmax's: with top_k 0 the samples must come from it, whatever the

@@ -77,6 +77,7 @@ def _unpadded_truth(model, sequences, attention_mask, response_len: int, tempera
     return torch.stack(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
 def test_causal_lm_forward_gives_the_models_own_logits_on_left_padded_rows(family):
     from ppo_cli.engine.logprobs import causal_lm_forward
@@ -95,6 +96,7 @@ def test_causal_lm_forward_gives_the_models_own_logits_on_left_padded_rows(famil
     assert ((naive - truth).abs().max() < 1e-5) == (family == "llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
 def test_generation_logprobs_are_those_of_the_distribution_sampled(family):
     from ppo_cli.engine.generate import generate_with_logprobs
@@ -117,6 +119,7 @@ def test_generation_logprobs_are_those_of_the_distribution_sampled(family):
     assert logprobs.shape == (2, T) and hidden.shape == (2, T, 32)
 
 
+@pytest.mark.slow
 def test_no_dropout_survives_in_train_mode_not_even_as_a_float_rate():
     """OPT applies dropout through float attributes (config.dropout 0.1), not nn.Dropout modules; the
     policy trains in train mode, so two forwards must still agree exactly."""

@@ -38,6 +38,7 @@ def _released_mb(setting: str) -> float:
     return int(out.stdout.split()[-1]) / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
 def test_freed_block_stays_resident_only_when_tuned():
     assert _released_mb("off") > 20  # glibc's default: the block was mapped on its own and unmapped

@@ -12,6 +12,9 @@ from ppo_cli.recipe import load_recipe
 from ppo_cli.trainer import init_state, train_step
 from tests.conftest import ROOT, tiny_overrides
 
+# Every test loads an engine on the tiny models: the slow suite.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]
 
 

@@ -93,6 +93,7 @@ def test_missing_reward_function_file(tmp_path):
         load_reward_function(f"{tmp_path}/nope.py:f")
 
 
+@pytest.mark.slow
 def test_classifier_with_unknown_label_names_lists_the_real_ones(tiny_models):
     config = RewardConfig(components=[{"type": "classifier", "path": str(tiny_models / "reward"), "labels": {"happy": 1.0}}])
     with pytest.raises(RecipeError, match="has no label\\(s\\) happy") as info:
@@ -100,6 +101,7 @@ def test_classifier_with_unknown_label_names_lists_the_real_ones(tiny_models):
     assert info.value.hint == "its labels are: negative, neutral, positive"
 
 
+@pytest.mark.slow
 def test_tiny_classifier_scores_positive_text_above_negative(tiny_models):
     config = RewardConfig(components=[{
         "type": "classifier", "path": str(tiny_models / "reward"),

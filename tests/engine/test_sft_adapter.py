@@ -14,6 +14,9 @@ from ppo_cli.runs import resolve_model_reference
 from ppo_cli.trainer import init_state, train_step
 from tests.conftest import ROOT, tiny_overrides
 
+# Every test loads the tiny models with an SFT adapter: the slow suite.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]
 SMALL = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
          "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8}
@@ -45,7 +48,6 @@ def _base_and_sft(tiny_models, adapter):
     return base, sft
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, FULL_FINETUNE], ids=["lora", "full"])
 def test_sft_adapter_is_start_and_reference_and_first_kl_is_zero(tiny_models, sft_adapter, tmp_path, extra):
     engine = load_engine(_recipe(tiny_models, tmp_path, sft_adapter, **extra))
@@ -65,7 +67,6 @@ def test_sft_adapter_is_start_and_reference_and_first_kl_is_zero(tiny_models, sf
     assert metrics["objective/kl"] == 0.0
 
 
-@pytest.mark.slow
 def test_sft_adapter_with_4bit_base_has_zero_first_kl(tiny_models, sft_adapter, tmp_path):
     engine = load_engine(_recipe(tiny_models, tmp_path, sft_adapter, **{"policy.quantization": "4bit"}))
     torch.manual_seed(0)
@@ -86,7 +87,6 @@ def _fake_run(recipe, tmp_path: Path) -> Path:
     return run
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, FULL_FINETUNE], ids=["lora", "full"])
 def test_eval_base_samples_the_sft_model_with_zero_kl(tiny_models, sft_adapter, tmp_path, extra):
     recipe = _recipe(tiny_models, tmp_path, sft_adapter, **extra)
@@ -102,7 +102,6 @@ def test_eval_base_samples_the_sft_model_with_zero_kl(tiny_models, sft_adapter, 
     assert torch.equal(logprobs, ref_logprobs)
 
 
-@pytest.mark.slow
 def test_eval_hub_style_model_with_sft_recipe_loads_the_sft_reference(tiny_models, sft_adapter, tmp_path):
     """A model outside the run (here the bare base as a plain directory) is compared with the recipe's
     reference: base + adapter, loaded as a separate copy."""
