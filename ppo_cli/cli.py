@@ -95,7 +95,7 @@ def validate(
 ) -> None:
     """Check a recipe; print it with every default filled in, and the sizes derived from it."""
     from ppo_cli.commands.validate import run
-    from ppo_cli.recipe import RecipeValidationError, load_recipe
+    from ppo_cli.recipe_loading import RecipeValidationError, load_recipe
 
     try:
         resolved = load_recipe(recipe, overrides or ())
@@ -137,7 +137,7 @@ def train(
     ] = 1,
 ) -> None:
     """Train a policy with PPO as the recipe says; writes output_dir/name/."""
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
     if num_processes > 1:
@@ -174,7 +174,7 @@ def plan(
 ) -> None:
     """Memory each role needs (weights, LoRA, gradients, optimizer, activations, KV cache), from the model
     configs alone; if it does not fit, the recipe changes that would make it fit."""
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
     from ppo_cli.commands.plan import render, run as run_plan, set_args  # imports torch: only after the recipe is valid
@@ -346,7 +346,7 @@ def _recipe_of_rollouts(rollouts: Path) -> Path | None:
 def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
     """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
     from ppo_cli import report
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
     from ppo_cli.runs import recipe_for_models, resolve_model_reference
 
     if temperature is not None and not temperature > 0:

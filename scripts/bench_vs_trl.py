@@ -396,7 +396,7 @@ def _reward_extra(extra: dict) -> dict:
 def cmd_plan_check(args) -> None:
     """`ppo plan`'s estimate for every measured ppo_cli run, against its measured peak."""
     from ppo_cli.commands.plan import run as plan
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
 
     rows = []
     for path in sorted(RESULTS.glob("*.jsonl")):

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     from ppo_cli import trainer
     from ppo_cli.engine import logprobs as lp
     from ppo_cli.engine import session
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
 
     after_imports = rss_gb()
     recipe = load_recipe(Path(args.recipe), args.overrides)

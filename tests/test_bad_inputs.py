@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from ppo_cli.errors import EXIT_RUNTIME, EXIT_USAGE
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT
 
 runner = CliRunner()
 TEMP_MARKERS = (".tmp", ".final-", ".step-")
@@ -60,7 +60,7 @@ class Env:
         """runs/tiny-sentiment with its recipe.yaml and one checkpoint (tiny files, not real weights),
         and with ``final_step`` a final/ that says how many updates the run finished."""
         from ppo_cli.checkpoint import write_manifest
-        from ppo_cli.recipe import dump_resolved, load_recipe
+        from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
         recipe_path = self.recipe()
         run = self.tmp / "runs" / "tiny-sentiment"

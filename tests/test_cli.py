@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ppo_cli import __version__
 from ppo_cli.cli import BUG_HINT, app, main
 from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, UsageError
-from ppo_cli.recipe import dump_resolved, load_recipe
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"

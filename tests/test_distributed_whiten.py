@@ -1,6 +1,5 @@
 """Whitening across processes equals whitening of the concatenated batch (2 real gloo processes)."""
 
-import os
 import socket
 
 import pytest

@@ -13,7 +13,7 @@ import torch
 from ppo_cli.checkpoint import CRITIC, MANIFEST, load_checkpoint, load_policy_and_value, save_checkpoint, save_final, \
     save_policy_and_value, write_manifest
 from ppo_cli.model_card import hub_base_model, parse_front_matter, render_model_card
-from ppo_cli.recipe import dump_resolved, load_recipe
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
 from tests.conftest import ROOT, tiny_overrides
 
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]

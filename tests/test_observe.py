@@ -10,7 +10,7 @@ import pytest
 
 from ppo_cli import report
 from ppo_cli.observe import RunObserver
-from ppo_cli.recipe import load_recipe
+from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.runs import RunDir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recipes" / "minimal.yaml"

@@ -160,7 +160,7 @@ def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir)
 @pytest.mark.slow
 def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
     from ppo_cli.memory import settings_from_recipe
-    from ppo_cli.recipe import load_recipe
+    from ppo_cli.recipe_loading import load_recipe
 
     sets = {"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false"}
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppo_cli.errors import CheckpointError, Interrupted, PpoError, UsageError
-from ppo_cli.recipe import Recipe, dump_resolved, load_recipe
+from ppo_cli.recipe import Recipe
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
 # Keys that may change between a run and its resume: how long it runs and how it logs.
 RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.recipe import Recipe, dump_resolved
+from ppo_cli.recipe import Recipe
+from ppo_cli.recipe_loading import dump_resolved
 
 
 @dataclass(frozen=True)

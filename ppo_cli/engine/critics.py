@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from ppo_cli.engine.models import ActorCritic
     from ppo_cli.recipe import Recipe

@@ -6,9 +6,7 @@
   on the clipped surrogate and its 5 asserts on GAE, one test each.
 """
 
-import math
 
-import pytest
 import torch
 
 from ppo_cli.algo.advantages import compute_gae, shape_rewards

@@ -1,6 +1,5 @@
 """The four roles on the tiny models: reference by adapter switching, critics, QLoRA, weights that move."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 from ppo_cli.engine.logprobs import policy_forward, position_ids_from_mask, selective_log_softmax
 from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.engine.session import load_engine
-from ppo_cli.recipe import load_recipe
+from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.trainer import init_state, train_step
 from tests.conftest import ROOT, tiny_overrides
 

@@ -4,7 +4,6 @@ the health warnings fire and are printed, logged and summarised; the plot and Te
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner

@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
-from ppo_cli.recipe import load_recipe
+from ppo_cli.recipe_loading import load_recipe
 from tests.conftest import ROOT, tiny_overrides
 
 pytestmark = pytest.mark.slow
