@@ -177,7 +177,8 @@ def plan(
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    from ppo_cli.commands.plan import render, run as run_plan, set_args  # imports torch: only after the recipe is valid
+    from ppo_cli.commands.plan import render, set_args  # imports torch: only after the recipe is valid
+    from ppo_cli.commands.plan import run as run_plan
     from ppo_cli.report import console
 
     result = run_plan(resolved, gpu_memory)
@@ -327,7 +328,7 @@ def _recipe_of_rollouts(rollouts: Path) -> Path | None:
     import json
 
     from ppo_cli.errors import PpoError
-    from ppo_cli.runs import resolve_model_reference
+    from ppo_cli.model_refs import resolve_model_reference
 
     try:
         with open(rollouts, encoding="utf-8") as f:
@@ -346,8 +347,8 @@ def _recipe_of_rollouts(rollouts: Path) -> Path | None:
 def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
     """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
     from ppo_cli import report
+    from ppo_cli.model_refs import recipe_for_models, resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
-    from ppo_cli.runs import recipe_for_models, resolve_model_reference
 
     if temperature is not None and not temperature > 0:
         raise UsageError(f"--temperature must be > 0, got {temperature:g}", hint="sampling needs a positive temperature; 1.0 samples as trained")

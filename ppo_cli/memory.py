@@ -110,8 +110,8 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from ppo_cli.runs import check_model_reference
     from ppo_cli.errors import ModelLoadError, first_line
+    from ppo_cli.model_refs import check_model_reference
 
     check_model_reference(path)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ppo_cli.runs import HUB_ID
+from ppo_cli.model_refs import HUB_ID
 
 TAGS = ["ppo_cli", "ppo", "rlhf", "reinforcement-learning"]
 

@@ -22,7 +22,6 @@ from pydantic.fields import FieldInfo
 from ppo_cli.errors import RecipeError
 from ppo_cli.recipe import Recipe
 
-
 # --- loading -------------------------------------------------------------------------------------
 #
 # load_recipe = read the file -> YAML with the line of every key -> --set overrides -> validate.

@@ -60,11 +60,10 @@ def main(argv=None) -> int:
     started = time.perf_counter()
 
     import torch
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from transformers.utils import logging as hf_logging
-
-    import trl
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 

@@ -142,8 +142,13 @@ def shape_paths(shape: str) -> dict[str, Path]:
 
 def cmd_models(args) -> None:
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-    from transformers import Qwen2ForSequenceClassification
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+    )
 
     CACHE.mkdir(parents=True, exist_ok=True)
     src = tiny_source(args)

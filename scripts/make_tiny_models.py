@@ -38,7 +38,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from tokenizers import (  # noqa: E402
-    Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
 )
 from transformers import (  # noqa: E402
     AutoTokenizer,

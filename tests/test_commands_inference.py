@@ -215,8 +215,8 @@ def test_kl_matches_a_plain_full_softmax_forward(ws: Workspace):
 
     from ppo_cli.commands.rollout import sequence_kl
     from ppo_cli.engine.session import load_inference_engine
+    from ppo_cli.model_refs import resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
-    from ppo_cli.runs import resolve_model_reference
 
     model = resolve_model_reference("aligned", ws.run)
     engine = load_inference_engine(load_recipe(model.recipe_path), model)

@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_cli.checkpoint import CRITIC, MANIFEST, load_checkpoint, load_policy_and_value, save_checkpoint, save_final, \
-    save_policy_and_value, write_manifest
+from ppo_cli.checkpoint import (
+    CRITIC,
+    MANIFEST,
+    load_checkpoint,
+    load_policy_and_value,
+    save_checkpoint,
+    save_final,
+    save_policy_and_value,
+    write_manifest,
+)
 from ppo_cli.model_card import hub_base_model, parse_front_matter, render_model_card
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 from tests.conftest import ROOT, tiny_overrides

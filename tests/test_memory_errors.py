@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
-from ppo_cli.memory_errors import OutOfMemory, disk_space_for, is_out_of_memory, phase
 from ppo_cli.errors import CheckpointError
+from ppo_cli.memory_errors import OutOfMemory, disk_space_for, is_out_of_memory, phase
 from tests.conftest import ROOT, tiny_overrides
 
 RECIPE = str(ROOT / "recipes" / "tiny_sentiment.yaml")

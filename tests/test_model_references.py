@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 
 from ppo_cli.errors import ModelReferenceError, UsageError
-from ppo_cli.runs import (
-    AtomicJsonlWriter,
-    check_output_path,
-    latest_run,
-    recipe_for_models,
-    resolve_model_reference,
-    write_jsonl_atomic,
-)
+from ppo_cli.model_refs import latest_run, recipe_for_models, resolve_model_reference
+from ppo_cli.runs import AtomicJsonlWriter, check_output_path, write_jsonl_atomic
 
 
 def make_run(root: Path, name: str, *, lora: bool = True, final: bool = True, checkpoint: bool = True) -> Path:
@@ -192,7 +186,7 @@ def test_a_hub_id_on_a_machine_without_network_fails_at_once(tmp_path: Path, mon
     unless the model is in the hub cache (transformers then loads it without the network)."""
     import socket
 
-    from ppo_cli.runs import check_model_reference
+    from ppo_cli.model_refs import check_model_reference
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -217,7 +211,7 @@ def test_a_hub_id_on_a_machine_without_network_fails_at_once(tmp_path: Path, mon
 
 @pytest.mark.parametrize("value", ["1", "true", "ON", "yes"])
 def test_offline_hub_refuses_only_what_is_not_cached(value, tmp_path: Path, monkeypatch):
-    from ppo_cli.runs import check_model_reference
+    from ppo_cli.model_refs import check_model_reference
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", value)
@@ -288,7 +282,7 @@ def test_a_crash_between_the_renames_keeps_the_old_final(tmp_path: Path, monkeyp
     ("runs/x/final", True), ("org/name/", True), ("models\\tiny", True),
 ])
 def test_one_rule_tells_a_local_path_from_a_hub_id(ref, local):
-    from ppo_cli.runs import looks_like_local_path
+    from ppo_cli.model_refs import looks_like_local_path
 
     assert looks_like_local_path(ref) is local
 

@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
+from ppo_cli.errors import EXIT_DOES_NOT_FIT
 from ppo_cli.memory import (
     CPU_HEAP_RETENTION,
     GB,
@@ -21,7 +22,6 @@ from ppo_cli.memory import (
     estimate,
     suggestions,
 )
-from ppo_cli.errors import EXIT_DOES_NOT_FIT
 from ppo_cli.recipe import LoraConfig
 from tests.conftest import ROOT, tiny_overrides
 

@@ -8,7 +8,13 @@ import pytest
 
 from ppo_cli.errors import EXIT_USAGE, RecipeError
 from ppo_cli.recipe import PPOConfig
-from ppo_cli.recipe_loading import RecipeValidationError, apply_overrides, dump_resolved, load_recipe, load_yaml_with_lines
+from ppo_cli.recipe_loading import (
+    RecipeValidationError,
+    apply_overrides,
+    dump_resolved,
+    load_recipe,
+    load_yaml_with_lines,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"

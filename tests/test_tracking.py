@@ -11,7 +11,6 @@ from ppo_cli.errors import UsageError
 from ppo_cli.recipe import LoggingConfig
 from ppo_cli.tracking import Trackers, check_trackers, crc32c, masked_crc32c, scalar_metrics
 
-
 # --- a minimal reader, independent of the writer's helpers except the checksum ---------------------
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ppo_cli.commands.eval import describe_run, evaluate_model, summarize_rows
 from ppo_cli.commands.rollout import Progress, SamplingSettings
+from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
-from ppo_cli.runs import ResolvedModel
 
 OUT_FILES = ("compare.md", "compare.json", "rows.jsonl")
 

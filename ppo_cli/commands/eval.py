@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ppo_cli.commands.rollout import Progress, SamplingSettings, generation_settings, model_path, sample_rows
 from ppo_cli.commands.score import score_rows
+from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
-from ppo_cli.runs import ResolvedModel
 
 
 @dataclass

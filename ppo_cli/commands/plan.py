@@ -10,8 +10,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from ppo_cli.memory import (
-    Estimate,
     GB,
+    Estimate,
     Settings,
     Suggestion,
     model_shapes,
@@ -20,7 +20,6 @@ from ppo_cli.memory import (
     total_estimate,
 )
 from ppo_cli.recipe import Recipe
-
 
 # --- the command ----------------------------------------------------------------------------------
 

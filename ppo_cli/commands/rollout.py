@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
-from ppo_cli.runs import ResolvedModel
 
 Progress = Callable[[int], None]  # called with the number of rows just finished
 

@@ -49,7 +49,7 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.engine.rewards import load_reward_function
-    from ppo_cli.runs import check_adapter_reference, check_model_reference
+    from ppo_cli.model_refs import check_adapter_reference, check_model_reference
 
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []

@@ -31,7 +31,7 @@ def check_recipe_files(recipe: Recipe) -> None:
     reward function is not imported here: its module's code runs only when training asks for it."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.errors import RewardFunctionError
-    from ppo_cli.runs import check_adapter_reference, check_model_reference
+    from ppo_cli.model_refs import check_adapter_reference, check_model_reference
 
     for which in ("prompts", "eval_prompts"):
         if getattr(recipe.data, which):

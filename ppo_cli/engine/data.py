@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Union
 
 from ppo_cli.errors import DataError, first_line
-from ppo_cli.runs import hub_offline
+from ppo_cli.model_refs import hub_offline
 
 Message = dict  # {"role": str, "content": str}
 Prompt = Union[str, list]  # plain text, or a conversation: a list of Message

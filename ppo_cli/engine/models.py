@@ -18,8 +18,8 @@ from torch import nn
 
 from ppo_cli.engine.critics import CRITICS, Critic, value_model_path
 from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
+from ppo_cli.model_refs import check_adapter_reference, check_model_reference, hub_offline
 from ppo_cli.recipe import LoraConfig, Recipe
-from ppo_cli.runs import check_adapter_reference, check_model_reference, hub_offline
 
 POLICY_ADAPTER = "policy"
 

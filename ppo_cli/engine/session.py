@@ -36,8 +36,8 @@ from ppo_cli.engine.models import (
 )
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
 from ppo_cli.errors import ModelLoadError, first_line
+from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
-from ppo_cli.runs import ResolvedModel
 from ppo_cli.types import Generation, Rollout
 
 # Speed lever of the rollout (docs/benchmarks.md measures it); a module flag so a benchmark can turn it
