@@ -19,6 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from ppo_cli import __version__
+from ppo_cli.commands import inputs
 from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError, first_line
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
@@ -147,9 +148,12 @@ def train(
         args += ["--overwrite"] * overwrite + ["--merge"] * merge + ["--force"] * force
         args += ["--resume", resume] if resume is not None else []
         raise typer.Exit(launch_train(num_processes, args))
+    from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
-    run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)
+    result = run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)
+    if result.summary:  # the main process's; the others return none
+        report.print_train_summary(result.summary)
 
 
 @app.command()
@@ -244,12 +248,12 @@ def rollout(
     from ppo_cli.runs import check_output_path
 
     check_output_path(out)
-    resolved, (model_ref,) = _recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = _prompts(prompts, field, resolved)
+    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
     from ppo_cli import report
     from ppo_cli.commands.rollout import run as run_rollout
 
-    settings = _sampling(resolved, num_samples, batch_size)
+    settings = inputs.sampling_settings(resolved, num_samples, batch_size)
     with report.progress_bar("rollout", len(prompt_list) * num_samples) as advance:
         result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance)
     report.print_rollout(str(result.out), result.rows, result.prompts, result.model)
@@ -266,8 +270,8 @@ def score(
 
     out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
     if recipe is None and run is None:
-        recipe = _recipe_of_rollouts(rollouts)
-    resolved, _ = _recipe_and_models([], run, recipe, overrides)
+        recipe = inputs.recipe_of_rollouts(rollouts)
+    resolved, _ = inputs.recipe_and_models([], run, recipe, overrides)
     from ppo_cli import report
     from ppo_cli.commands.score import run as run_score
 
@@ -286,14 +290,14 @@ def eval_(
     """Sample, score and summarise MODEL: reward statistics, EOS rate, length, KL, distinct-n."""
     from ppo_cli.runs import check_output_path
 
-    out = check_output_path(out or Path(f"eval-{_slug(model)}.json"))
-    resolved, (model_ref,) = _recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = _prompts(prompts, field, resolved)
+    out = check_output_path(out or Path(f"eval-{inputs.slug(model)}.json"))
+    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
     from ppo_cli import report
     from ppo_cli.commands.eval import run as run_eval
 
     with report.progress_bar("eval", len(prompt_list) * num_samples) as advance:
-        result = run_eval(resolved, model_ref, prompt_list, _sampling(resolved, num_samples, batch_size),
+        result = run_eval(resolved, model_ref, prompt_list, inputs.sampling_settings(resolved, num_samples, batch_size),
                           prompts_source=source, out=out, progress=advance)
     report.print_eval(result.summary, str(result.out))
 
@@ -311,85 +315,15 @@ def compare(
     """Both models on the same prompts and seed, side by side, with reward difference and win rate."""
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; compare writes a directory", hint="give a directory name, e.g. --out compare-out")
-    resolved, models = _recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = _prompts(prompts, field, resolved)
+    resolved, models = inputs.recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
     from ppo_cli import report
     from ppo_cli.commands.compare import run as run_compare
 
     with report.progress_bar("compare", 2 * len(prompt_list) * num_samples) as advance:
-        result = run_compare(resolved, *models, prompt_list, _sampling(resolved, num_samples, batch_size),
+        result = run_compare(resolved, *models, prompt_list, inputs.sampling_settings(resolved, num_samples, batch_size),
                              prompts_source=source, out_dir=out, progress=advance)
     report.print_compare(result.a, result.b, result.difference, result.pairs, [str(f) for f in result.files])
-
-
-def _recipe_of_rollouts(rollouts: Path) -> Path | None:
-    """The recipe of the run whose model wrote the rollouts (its rows' model_path), if it is one;
-    otherwise None, and the usual default (the latest run's) applies."""
-    import json
-
-    from ppo_cli.errors import PpoError
-    from ppo_cli.model_refs import resolve_model_reference
-
-    try:
-        with open(rollouts, encoding="utf-8") as f:
-            model_path = str(json.loads(next((line for line in f if line.strip()), "{}"))["model_path"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the file is checked, with a clear error, when it is read
-    try:
-        return resolve_model_reference(model_path).recipe_path
-    except PpoError:
-        from ppo_cli import report
-
-        report.note(f"the rollouts' model {model_path} is not found from here, so its run's recipe is not used")
-        return None
-
-
-def _recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
-    """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
-    from ppo_cli import report
-    from ppo_cli.model_refs import recipe_for_models, resolve_model_reference
-    from ppo_cli.recipe_loading import load_recipe
-
-    if temperature is not None and not temperature > 0:
-        raise UsageError(f"--temperature must be > 0, got {temperature:g}", hint="sampling needs a positive temperature; 1.0 samples as trained")
-    flags = {"generation.max_new_tokens": max_new_tokens, "generation.temperature": temperature, "seed": seed}
-    sets = [*(overrides or ()), *(f"{key}={value}" for key, value in flags.items() if value is not None)]
-    loaded = load_recipe(recipe_path, sets) if recipe_path is not None else None
-    root = loaded.output_dir if loaded is not None else "runs"
-    models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
-    if loaded is None:
-        recipe_path = recipe_for_models(models, run, output_root=root)
-        loaded = load_recipe(recipe_path, sets)
-    report.note(f"recipe: {recipe_path}")
-    for model in models:
-        report.note(f"model: {model.describe()}")
-    return loaded, models
-
-
-def _prompts(path, field, recipe) -> tuple[list[str], str]:
-    from ppo_cli import report
-    from ppo_cli.engine.data import read_recipe_prompts  # no torch, and `datasets` only for datasets
-
-    which = "eval_prompts" if path is None and recipe.data.eval_prompts else "prompts"
-    prompt_set = read_recipe_prompts(recipe.data, which, source=path, field_name=field)
-    path = path or getattr(recipe.data, which)
-    if prompt_set.skipped_blank:
-        n = prompt_set.skipped_blank
-        report.note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
-    return prompt_set.prompts, str(path)
-
-
-def _sampling(recipe, num_samples: int, batch_size: int | None):
-    from ppo_cli.commands.rollout import SamplingSettings
-
-    return SamplingSettings(recipe.seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
-
-
-def _slug(reference: str) -> str:
-    """'aligned' -> 'aligned'; 'runs/x/final' -> 'runs-x-final': a file-name-safe model name."""
-    import re
-
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", reference.strip("/.")).strip("-") or "model"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -214,7 +214,7 @@ def test_kl_matches_a_plain_full_softmax_forward(ws: Workspace):
     import torch
 
     from ppo_cli.commands.rollout import sequence_kl
-    from ppo_cli.engine.session import load_inference_engine
+    from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.model_refs import resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
 

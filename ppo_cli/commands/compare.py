@@ -53,7 +53,7 @@ def difference(pairs: list[dict], seed: int, n_resamples: int = 2000) -> dict:
 def run(recipe: Recipe, model_a: ResolvedModel, model_b: ResolvedModel, prompts: list[str],
         settings: SamplingSettings, *, prompts_source: str, out_dir: Path | None = None,
         progress: Progress | None = None) -> CompareResult:
-    from ppo_cli.engine.session import load_reward_stack
+    from ppo_cli.engine.inference import load_reward_stack
 
     reward = load_reward_stack(recipe)
     rows_a = evaluate_model(recipe, model_a, prompts, settings, reward, progress)

@@ -44,7 +44,7 @@ def evaluate_model(recipe: Recipe, model: ResolvedModel, prompts: list[str], set
                    reward, progress: Progress | None = None) -> list[dict]:
     """Scored rows (with ``kl``) of one model; the model is loaded, used and released."""
     from ppo_cli.commands.rollout import release
-    from ppo_cli.engine.session import load_inference_engine
+    from ppo_cli.engine.inference import load_inference_engine
 
     engine = load_inference_engine(recipe, model, reward)
     try:
@@ -65,7 +65,7 @@ def describe_run(recipe: Recipe, model: ResolvedModel, prompts_source: str, n_pr
 
 def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, *,
         prompts_source: str, out: Path | None = None, progress: Progress | None = None) -> EvalResult:
-    from ppo_cli.engine.session import load_reward_stack
+    from ppo_cli.engine.inference import load_reward_stack
     from ppo_cli.runs import atomic_write_text
 
     rows = evaluate_model(recipe, model, prompts, settings, load_reward_stack(recipe), progress)

@@ -102,7 +102,7 @@ def release(engine) -> None:
 
 def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, out: Path,
         progress: Progress | None = None) -> RolloutResult:
-    from ppo_cli.engine.session import load_inference_engine
+    from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.runs import write_jsonl_atomic
 
     engine = load_inference_engine(recipe, model)

@@ -66,7 +66,7 @@ def score_rows(reward, rows: list[dict]) -> list[dict]:
 
 
 def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
-    from ppo_cli.engine.session import load_reward_stack
+    from ppo_cli.engine.inference import load_reward_stack
     from ppo_cli.runs import write_jsonl_atomic
     from ppo_cli.stats import mean
 

@@ -292,7 +292,6 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     """final/, eval.json and summary.json, written by the main process."""
     import torch
 
-    from ppo_cli import report
     from ppo_cli.checkpoint import save_final
     from ppo_cli.engine.models import resolve_dtype
     from ppo_cli.model_card import render_model_card
@@ -320,7 +319,6 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     if observer is not None:
         summary.update(observer.finish(summary))  # learning-curve plot, warnings, files
     atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
-    report.print_train_summary(summary)
     return summary
 
 

@@ -1,4 +1,5 @@
-"""One loaded engine: tokenizer, policy/value/reference, reward, and the rollout built from them.
+"""One loaded engine: tokenizer, policy/value/reference, reward, and the rollout built from them
+(engine/inference.py loads the same Engine for inference: no critic).
 
 Every command (train, rollout, score, eval, compare) goes through here, so loading, generation,
 log-probs and scoring have one implementation.
@@ -7,7 +8,6 @@ log-probs and scoring have one implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -25,18 +25,12 @@ from ppo_cli.engine.models import (
     ActorCritic,
     build_actor_critic,
     check_value_model_tokenizer,
-    disable_dropout,
-    freeze,
     is_quantized,
-    load_causal_lm,
     load_tokenizer,
     resolve_device,
-    resolve_dtype,
     unwrap_causal_lm,
 )
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
-from ppo_cli.errors import ModelLoadError, first_line
-from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout
 
@@ -252,95 +246,3 @@ def own_unquantized_tensors(model: torch.nn.Module) -> None:
     import gc
 
     gc.collect()
-
-
-# --- inference: `ppo rollout / eval / compare` load a policy and its reference, no critic ---------
-
-
-class InferencePolicy(ActorCritic):
-    """A policy and its reference without a critic, in the training ActorCritic's shape, so that
-    Engine.generate, policy_forward and reference_logprobs run on it unchanged.
-
-    The reference is the base with the LoRA adapter disabled (a peft policy and no ``ref_model``),
-    a separate frozen ``ref_model``, or, when the policy is itself the reference (``base``), the
-    policy: ``reference_is_policy`` makes the KL exactly 0 without a second forward.
-    """
-
-    def __init__(self, policy: torch.nn.Module, ref_model: torch.nn.Module | None = None, reference_is_policy: bool = False):
-        policy.requires_grad_(False)
-        super().__init__(policy, critic=None, value_head=None, ref_model=ref_model)
-        self.reference_is_policy = reference_is_policy
-
-
-def _same_model(a: str, b: str) -> bool:
-    """Two model references name the same weights (local paths compared after resolving)."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return a == b
-
-
-def _same_adapter(a: str | None, b: str | None) -> bool:
-    return a is None and b is None or a is not None and b is not None and _same_model(a, b)
-
-
-def load_reward_stack(recipe: Recipe) -> RewardStack:
-    """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`)."""
-    quiet_libraries()
-    return RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt)
-
-
-def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:
-    """An Engine for sampling and log-probs from ``model`` with the recipe's tokenizer options,
-    generation settings and reference; ``reward`` is kept as given (None when only sampling).
-
-    The weights are ``model.weights_path`` with ``model.base_adapter`` merged in (+ the LoRA adapter,
-    loaded as the ``policy`` adapter); the reference is the recipe's (``reference.path``, else
-    ``policy.path`` with ``policy.adapter`` merged in): the same base with the adapter disabled when
-    it is the adapter's base, the policy itself when it is the same model, otherwise a separate
-    frozen copy.
-    """
-    quiet_libraries()
-    device = resolve_device(recipe.train.device)
-    if recipe.train.num_threads:
-        torch.set_num_threads(recipe.train.num_threads)
-    pol = recipe.policy
-    revision = pol.revision if model.weights_path == pol.path else None
-    common = dict(device=device, trust_remote_code=pol.trust_remote_code, attn_implementation=pol.attn_implementation)
-    tokenizer = load_tokenizer(model.tokenizer_path, trust_remote_code=pol.trust_remote_code,
-                               revision=revision if model.tokenizer_path == pol.path else None)
-    stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
-    policy = load_causal_lm(model.weights_path, model.base_adapter, dtype=resolve_dtype(pol.dtype, device),
-                            quantization=pol.quantization, revision=revision, **common)
-    if model.adapter_dir is not None:
-        policy = _load_adapter(policy, model.adapter_dir)
-    freeze(policy)
-
-    reference_path = recipe.reference.path or pol.path
-    reference_adapter = None if recipe.reference.path else pol.adapter
-    same_start = _same_adapter(reference_adapter, model.base_adapter)
-    ref_model, reference_is_policy = None, False
-    if model.adapter_dir is not None and same_start and _same_model(reference_path, model.base_path):
-        pass  # the base with the adapter disabled, as in training
-    elif model.adapter_dir is None and same_start and _same_model(reference_path, model.weights_path):
-        reference_is_policy = True
-    else:
-        ref = recipe.reference
-        ref_model = load_causal_lm(
-            reference_path, reference_adapter, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
-            quantization=ref.quantization, revision=pol.revision if reference_path == pol.path else None, **common,
-        )
-        freeze(ref_model)
-    actor = InferencePolicy(policy, ref_model, reference_is_policy)
-    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id)
-
-
-def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
-    from peft import PeftModel
-
-    try:
-        model = PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=POLICY_ADAPTER)
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise ModelLoadError(f"cannot load the LoRA adapter in {adapter_dir}: {first_line(err)}") from err
-    disable_dropout(model)
-    return model

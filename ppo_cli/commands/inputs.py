@@ -1,0 +1,81 @@
+"""What the inference commands (rollout, score, eval, compare) read before they run: the recipe (theirs,
+or the run's of the models they name), the models, the prompts and the sampling settings.
+
+No torch import: the CLI calls these before any model loads, so bad input fails at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ppo_cli.errors import UsageError
+
+
+def recipe_of_rollouts(rollouts: Path) -> Path | None:
+    """The recipe of the run whose model wrote the rollouts (its rows' model_path), if it is one;
+    otherwise None, and the usual default (the latest run's) applies."""
+    import json
+
+    from ppo_cli.errors import PpoError
+    from ppo_cli.model_refs import resolve_model_reference
+
+    try:
+        with open(rollouts, encoding="utf-8") as f:
+            model_path = str(json.loads(next((line for line in f if line.strip()), "{}"))["model_path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the file is checked, with a clear error, when it is read
+    try:
+        return resolve_model_reference(model_path).recipe_path
+    except PpoError:
+        from ppo_cli import report
+
+        report.note(f"the rollouts' model {model_path} is not found from here, so its run's recipe is not used")
+        return None
+
+
+def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
+    """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
+    from ppo_cli import report
+    from ppo_cli.model_refs import recipe_for_models, resolve_model_reference
+    from ppo_cli.recipe_loading import load_recipe
+
+    if temperature is not None and not temperature > 0:
+        raise UsageError(f"--temperature must be > 0, got {temperature:g}", hint="sampling needs a positive temperature; 1.0 samples as trained")
+    flags = {"generation.max_new_tokens": max_new_tokens, "generation.temperature": temperature, "seed": seed}
+    sets = [*(overrides or ()), *(f"{key}={value}" for key, value in flags.items() if value is not None)]
+    loaded = load_recipe(recipe_path, sets) if recipe_path is not None else None
+    root = loaded.output_dir if loaded is not None else "runs"
+    models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
+    if loaded is None:
+        recipe_path = recipe_for_models(models, run, output_root=root)
+        loaded = load_recipe(recipe_path, sets)
+    report.note(f"recipe: {recipe_path}")
+    for model in models:
+        report.note(f"model: {model.describe()}")
+    return loaded, models
+
+
+def command_prompts(path, field, recipe) -> tuple[list[str], str]:
+    from ppo_cli import report
+    from ppo_cli.engine.data import read_recipe_prompts  # no torch, and `datasets` only for datasets
+
+    which = "eval_prompts" if path is None and recipe.data.eval_prompts else "prompts"
+    prompt_set = read_recipe_prompts(recipe.data, which, source=path, field_name=field)
+    path = path or getattr(recipe.data, which)
+    if prompt_set.skipped_blank:
+        n = prompt_set.skipped_blank
+        report.note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
+    return prompt_set.prompts, str(path)
+
+
+def sampling_settings(recipe, num_samples: int, batch_size: int | None):
+    from ppo_cli.commands.rollout import SamplingSettings
+
+    return SamplingSettings(recipe.seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
+
+
+def slug(reference: str) -> str:
+    """'aligned' -> 'aligned'; 'runs/x/final' -> 'runs-x-final': a file-name-safe model name."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", reference.strip("/.")).strip("-") or "model"
