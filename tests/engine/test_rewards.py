@@ -110,3 +110,18 @@ def test_tiny_classifier_scores_positive_text_above_negative(tiny_models):
     again = stack.score(["The movie was"] * 2, [" wonderful and I loved it.", " boring and awful."], [True, True], [5, 4])
     assert first.scores[0] > 5.0 > 0 > first.scores[1]
     assert first.scores == again.scores
+
+
+def test_min_length_floor_of_the_demo_recipe_counts_tokens_as_the_tiny_tokenizer_does(tiny_models):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import ROOT
+
+    too_short = load_reward_function(f"{ROOT}/recipes/rewards/min_length.py:too_short")
+    responses = [" a real delight.", " it's wonderful!", " excellent. I would happily watch it again.",
+                 " really great and I would recommend it to anyone. Highly recommended.", ""]
+    values = too_short(["The movie was"] * len(responses), responses)
+    assert values == [-4.0, -3.0, 0.0, 0.0, -8.0]
+    # The function sees only text; its count must be the policy's token count for the floor to mean 8 tokens.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
+    assert values == [float(min(0, len(tokenizer.tokenize(r)) - 8)) for r in responses]
