@@ -153,3 +153,19 @@ def test_function_reward_gets_conversations_as_lists_and_cannot_change_them(tmp_
     result = RewardStack(config, torch.device("cpu")).score(["plain", conversation], ["a", "b"], [True, True], [1, 1])
     assert result.scores == [-1.0, 2.0]
     assert len(conversation) == 2
+
+
+@pytest.mark.slow
+def test_min_length_floor_of_the_demo_recipe_counts_tokens_as_the_tiny_tokenizer_does(tiny_models):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import ROOT
+
+    too_short = load_reward_function(f"{ROOT}/recipes/rewards/min_length.py:too_short")
+    responses = [" a real delight.", " it's wonderful!", " excellent. I would happily watch it again.",
+                 " really great and I would recommend it to anyone. Highly recommended.", ""]
+    values = too_short(["The movie was"] * len(responses), responses)
+    assert values == [-4.0, -3.0, 0.0, 0.0, -8.0]
+    # The function sees only text; its count must be the policy's token count for the floor to mean 8 tokens.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
+    assert values == [float(min(0, len(tokenizer.tokenize(r)) - 8)) for r in responses]

@@ -9,6 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ppo_cli.cli import app
+from ppo_cli.recipe import MonitorConfig
 from ppo_cli.recipe_loading import load_recipe
 from tests.conftest import ROOT, tiny_overrides
 
@@ -29,25 +30,49 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _shipped_components(recipe_path: Path, models: Path) -> list[dict]:
+    """A recipe's reward components as shipped, with the reward model read from the tiny models and
+    the repository's reward functions found from any working directory."""
+    components = []
+    for component in yaml.safe_load(recipe_path.read_text())["reward"]["components"]:
+        component = dict(component)
+        if component["type"] in ("model", "classifier"):
+            component["path"] = str(models / "reward")
+        elif component["function"].startswith("recipes/"):
+            component["function"] = str(ROOT / component["function"])
+        components.append(component)
+    return components
+
+
 @pytest.fixture(scope="module")
 def demo_run(tiny_models, tmp_path_factory):
     """The demo recipe as shipped (only paths redirected), trained once for the tests below."""
     out = tmp_path_factory.mktemp("runs")
     _train("tiny_sentiment.yaml", tiny_models, out, "--merge",
-           **{"data.prompts": ROOT / "recipes/prompts/reviews.txt",
+           **{"reward.components": json.dumps(_shipped_components(ROOT / "recipes/tiny_sentiment.yaml", tiny_models)),
+              "data.prompts": ROOT / "recipes/prompts/reviews.txt",
               "data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt"})
     return out / "tiny-sentiment"
 
 
-def test_tiny_recipe_learns_to_write_short_positive_reviews(demo_run):
+def test_tiny_recipe_ends_healthy_with_positive_sentences(demo_run):
     summary = json.loads((demo_run / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
-    # Held-out prompts, same seed before and after: a clear rise in reward and in EOS rate.
+    # Held-out prompts, same seed before and after: the reward and the EOS rate rise to near their
+    # ceilings (10 and 100%) ...
     assert after["score"] >= before["score"] + 5.0, summary
-    assert after["score"] >= 7.0, summary
-    assert after["eos_rate"] >= 0.8 > before["eos_rate"], summary
+    assert after["score"] >= 8.0, summary
+    assert after["eos_rate"] >= 0.9 > before["eos_rate"], summary
+    # ... with sentences, not the 2-5 token answers ("excellent.") the classifier alone pays as much for,
+    assert after["response_length"] >= 8.0, summary
+    # ... near the reference (nats summed over the response; the mean of the last updates, as one
+    # rollout of 32 episodes swings by a nat or two) ...
     metrics = _read_jsonl(demo_run / "metrics.jsonl")
-    assert metrics[-1]["objective/kl"] < 30.0  # bounded drift from the reference (nats, summed)
+    last = [m["objective/kl"] for m in metrics[-5:]]
+    assert sum(last) / len(last) <= 5.0, last
+    # ... and without any health warning on the way, from the monitor at its default thresholds.
+    assert load_recipe(demo_run / "recipe.yaml").monitor == MonitorConfig()
+    assert summary["warnings"] == [], [w["message"] for w in summary["warnings"]]
 
 
 def test_run_directory_holds_metrics_samples_recipe_and_final(demo_run):
@@ -98,17 +123,8 @@ def test_python_function_reward_from_a_file_trains(tiny_models, tmp_path):
 
 def _structure_overrides(recipe_path: Path, models: Path) -> dict:
     """Keep a recipe's structure (LoRA, quantization, critic, penalties) but run it tiny and short."""
-    raw = yaml.safe_load(recipe_path.read_text())
-    components = []
-    for component in raw["reward"]["components"]:
-        component = dict(component)
-        if component["type"] in ("model", "classifier"):
-            component["path"] = str(models / "reward")
-        elif component["function"].startswith("recipes/"):
-            component["function"] = str(ROOT / component["function"])
-        components.append(component)
     return {
-        "reward.components": json.dumps(components),
+        "reward.components": json.dumps(_shipped_components(recipe_path, models)),
         "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "data.eval_prompts": "null",
         "train.total_updates": 2, "train.save_every": 1, "train.log_every": 1,
