@@ -107,9 +107,14 @@ def main() -> None:
             rates[name].append(tokens / seconds)
     print(f"model {path} ({args.dtype}), {args.prompts} prompts x {args.tokens} tokens, {threads} threads; "
           f"vLLM engine start {vllm_load:.1f} s")
+    # On a shared machine single calls vary several-fold: the best call is the least disturbed one, and
+    # each round's ratio compares two calls made one right after the other.
     for name, values in rates.items():
-        print(f"  {name:12s} {statistics.median(values):8.1f} tok/s  (median of {len(values)}; "
-              f"{min(values):.1f}-{max(values):.1f})")
+        print(f"  {name:12s} best {max(values):8.1f} tok/s, median {statistics.median(values):8.1f} "
+              f"(of {len(values)}; lowest {min(values):.1f})")
+    ratios = [v / h for v, h in zip(rates["vllm"], rates["transformers"])]
+    print(f"  vllm / transformers: best-to-best {max(rates['vllm']) / max(rates['transformers']):.2f}, "
+          f"median of the rounds' ratios {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
