@@ -214,6 +214,24 @@ class GenerationConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 disables it.")
     stop_token: str | None = Field(None, description="Stop token text. Default: the tokenizer's EOS (TRL: stop_token='eos').")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Who samples the rollouts. hf: transformers generate on the policy itself. vllm: an in-process "
+        "vLLM engine (pip install 'ppo_cli[vllm]'; one process only) fed the same prompt token ids and sampling "
+        "settings, kept current with the policy's LoRA adapter (or, without LoRA, its weights) before every rollout. "
+        "The old log-probs are still the policy's own forward; the sampler's differ by numerics, logged as "
+        "rollout/logprob_diff_mean and _max (see ppo.rollout_is_clip).",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="vllm on a GPU: the fraction of GPU memory vLLM may take (weights + KV cache); the policy's "
+        "training shares the rest. CPU: the KV cache is sized from the batch (VLLM_CPU_KVCACHE_SPACE overrides it).",
+    )
+    vllm_sleep_mode: bool = Field(
+        False,
+        description="vllm on a GPU: put vLLM to sleep between rollouts (its weights offloaded to CPU memory, its KV "
+        "cache freed), so the update gets the GPU's memory back. Not available on CPU.",
+    )
 
 
 class AdaptiveKLConfig(Section):
@@ -248,6 +266,13 @@ class PPOConfig(Section):
     whiten_advantages: bool = Field(True, description="Normalise advantages to zero mean, unit variance over response tokens.")
     whiten_rewards: bool = Field(False, description="Normalise the shaped per-token rewards before GAE (TRL: whiten_rewards).")
     max_kl: float | None = Field(None, gt=0.0, description="Stop the epoch loop early when mean approx-KL passes this.")
+    rollout_is_clip: float | None = Field(
+        None, gt=0.0,
+        description="generation.backend vllm: truncated importance sampling (Yao et al. 2025). Each token's policy "
+        "loss is weighted by min(exp(old log-prob - sampler log-prob), rollout_is_clip), correcting for the sampler's "
+        "distribution differing from the trained policy's by numerics (bf16 kernels, another attention). Typical: 2.0. "
+        "null: no correction.",
+    )
     rollout_logprobs: Literal["forward", "generation"] = Field(
         "forward",
         description="Where the rollout's old log-probs (and value-head values) come from. forward: a separate "
@@ -469,6 +494,18 @@ class Recipe(Section):
                 f"only used with value kind 'adapter', but the value kind is '{self.value_kind}'",
                 "remove `value.lora` or set `value.kind: adapter` (needs `policy.lora`)",
                 key="value.lora",
+            )
+        if self.ppo.rollout_is_clip is not None and self.generation.backend != "vllm":
+            raise _rule_error(
+                "corrects for a separate sampler and has no effect with generation.backend 'hf' (the policy samples itself)",
+                "set `generation.backend: vllm` or remove `ppo.rollout_is_clip`",
+                key="ppo.rollout_is_clip",
+            )
+        if self.generation.vllm_sleep_mode and self.generation.backend != "vllm":
+            raise _rule_error(
+                "only used with generation.backend 'vllm'",
+                "set `generation.backend: vllm` or remove `generation.vllm_sleep_mode`",
+                key="generation.vllm_sleep_mode",
             )
         if self.reference.quantization != "none" and self.policy.lora is not None and self.reference.path is None:
             raise _rule_error(

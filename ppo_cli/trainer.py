@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from ppo_cli.algo.advantages import compute_gae, shape_rewards
+from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
 from ppo_cli.algo.masking import masked_mean, masked_whiten
@@ -124,7 +125,12 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
                                  None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
-    policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], mask, ppo.cliprange)
+    weights = None
+    if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
+        weights = truncated_is_weights(rollout.logprobs[rows, :T], rollout.sampler_logprobs[rows, :T], mask,
+                                       ppo.rollout_is_clip)
+    policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], mask, ppo.cliprange,
+                                 token_weights=weights)
     value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         entropy = masked_mean(entropy_from_logits(logits), mask)
@@ -231,6 +237,11 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         "samples/distinct_1": distinct_n(responses, 1),
         "samples/distinct_2": distinct_n(responses, 2),
     }
+    if rollout.sampler_logprobs is not None:
+        # How far the sampler's (vLLM's) distribution is from the policy's own forward, per token.
+        diff = dist.gather((rollout.logprobs - rollout.sampler_logprobs).abs())[all_mask]
+        metrics["rollout/logprob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
+        metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
     for name, component in rollout.score_components.items():
         metrics[f"reward/{name}"] = dist.gather(torch.tensor(component, dtype=torch.float64, device=scores.device)).mean().item()
     return metrics

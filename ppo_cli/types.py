@@ -45,6 +45,7 @@ class Rollout(NamedTuple):
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties
     score_components: dict[str, list[float]]  # component name -> per-episode value (penalties included)
     fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update
+    sampler_logprobs: torch.Tensor | None = None  # (B, T) a separate sampler's (vLLM) log-probs of the tokens, 0 outside
 
 
 class Advantages(NamedTuple):

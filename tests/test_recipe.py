@@ -424,3 +424,16 @@ def test_every_kl_estimator_of_the_algorithm_can_be_chosen(estimator):
     assert estimator in KL_ESTIMATORS
     recipe = load_recipe(MINIMAL, [f"ppo.kl_estimator={estimator}"])
     assert recipe.ppo.kl_estimator == estimator
+
+
+def test_rollout_is_clip_and_sleep_mode_need_the_vllm_backend(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo.rollout_is_clip=2.0"])
+    assert err.message.endswith("--set ppo.rollout_is_clip: corrects for a separate sampler and has no effect with "
+                                "generation.backend 'hf' (the policy samples itself)")
+    assert err.hint == "set `generation.backend: vllm` or remove `ppo.rollout_is_clip`"
+    err = error(write(tmp_path, BASE), ["generation.vllm_sleep_mode=true"])
+    assert err.message.endswith("--set generation.vllm_sleep_mode: only used with generation.backend 'vllm'")
+    recipe = load_recipe(write(tmp_path, BASE), ["generation.backend=vllm", "ppo.rollout_is_clip=2.0"])
+    assert (recipe.generation.backend, recipe.ppo.rollout_is_clip) == ("vllm", 2.0)
+    assert load_recipe(write(tmp_path, BASE)).generation.backend == "hf"  # the default: transformers generate
+    assert "generation.backend" in error(write(tmp_path, BASE), ["generation.backend=sglang"]).message

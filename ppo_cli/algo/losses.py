@@ -42,7 +42,8 @@ class ValueLossOutput(NamedTuple):
 
 
 def clipped_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cliprange: float
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cliprange: float,
+    token_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), negated for minimisation.
 
@@ -56,6 +57,8 @@ def clipped_policy_loss(
         advantages: (B, T) usually whitened; treated as a constant.
         response_mask: bool, (B, T).
         cliprange: eps, the clip radius of the ratio.
+        token_weights: optional (B, T) constant factors on each token's clipped term (importance
+            weights of a rollout drawn by another sampler: ``importance.truncated_is_weights``).
 
     Returns:
         PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean), each a scalar ().
@@ -67,7 +70,10 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(pg_losses, pg_losses_clipped), response_mask)
+    per_token = torch.maximum(pg_losses, pg_losses_clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
+    loss = masked_mean(per_token, response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((pg_losses_clipped > pg_losses).to(ratio.dtype), response_mask)
         approx_kl = 0.5 * masked_mean(log_ratio**2, response_mask)

@@ -67,6 +67,10 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.tracking import check_trackers
 
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
+    if recipe.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import check_vllm_installed
+
+        check_vllm_installed()
     return prompts, eval_prompts
 
 

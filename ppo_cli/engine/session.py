@@ -52,6 +52,14 @@ class SampledForward:
     hidden: torch.Tensor | None  # (B, T, H) policy decoder states that sampled them, for a value head
 
 
+@dataclass(frozen=True)
+class SamplerLogprobs:
+    """A separate sampler's (generation.backend vllm) log-probs of the sampled tokens (B, T): never the
+    old log-probs (those stay the policy's own forward), only compared with them."""
+
+    logprobs: torch.Tensor
+
+
 @dataclass
 class Engine:
     recipe: Recipe
@@ -60,6 +68,7 @@ class Engine:
     actor_critic: ActorCritic
     reward: RewardStack
     stop_token_id: int
+    sampler: object | None = None  # vllm_sampler.VllmSampler when generation.backend is vllm
 
     @property
     def pad_token_id(self) -> int:
@@ -69,12 +78,18 @@ class Engine:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
         return self._generate(prompts, from_generation=False)[0]
 
-    def _generate(self, prompts: list[str], from_generation: bool) -> tuple[Generation, "SampledForward | None"]:
+    def _generate(self, prompts: list[str], from_generation: bool) -> tuple[Generation, "SampledForward | SamplerLogprobs | None"]:
         """generate(); with ``from_generation`` also what its own forward passes computed: the sampled
-        tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them."""
+        tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them.
+        With a separate sampler (vLLM), its log-probs instead."""
         recipe = self.recipe
         prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, recipe.data, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
+        if self.sampler is not None:
+            generation, logprobs = self.sampler.generate(self.actor_critic.policy, prompt_ids, prompt_mask,
+                                                         self.stop_token_id, self.pad_token_id)
+            generation = trim_padding(generation)
+            return generation, SamplerLogprobs(logprobs[:, : generation.response_ids.shape[1]])
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
         if not from_generation:
             return trim_padding(generate(*args)), None
@@ -149,6 +164,9 @@ class Engine:
 
     def collect_rollout(self, prompts: list[str]) -> Rollout:
         generation, sampled = self._generate(prompts, from_generation=self.reuses_generation_forward())
+        sampler_logprobs = None
+        if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
+            sampler_logprobs, sampled = sampled.logprobs, None
         responses = self.decode_responses(generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
             generation, self.recipe.ppo.micro_batch_size, sampled
@@ -156,7 +174,7 @@ class Engine:
         result = self.score(prompts, responses, generation)
         scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
-                       fixed_features)
+                       fixed_features, sampler_logprobs)
 
 
 def quiet_libraries() -> None:
@@ -225,7 +243,12 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
         for model in models:
             if model is not None and is_quantized(model):
                 own_unquantized_tensors(model)
-    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id)
+    sampler = None
+    if recipe.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import VllmSampler
+
+        sampler = VllmSampler(recipe, device, actor_critic.policy)
+    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:

