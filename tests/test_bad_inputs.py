@@ -32,6 +32,9 @@ class Env:
         data = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
         data["policy"]["path"] = str(self.models / "policy")
         data["reward"]["components"][0]["path"] = str(self.models / "reward")
+        for component in data["reward"]["components"]:  # the recipe's reward files, from any directory
+            if component["type"] == "function" and component["function"].startswith("recipes/"):
+                component["function"] = str(ROOT / component["function"])
         data["data"]["prompts"] = str(ROOT / "recipes/prompts/reviews.txt")
         data["data"]["eval_prompts"] = None
         data["output_dir"] = str(self.tmp / "runs")
@@ -174,7 +177,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
     ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
     ("resume-missing-path", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")])[1], "checkpoint not found"),
-    ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.1 -> 0.5"),
+    ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.4 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
 ]

@@ -46,6 +46,7 @@ def fake_train(monkeypatch) -> list[dict]:
 
     def run(recipe, **kwargs):
         calls.append({"recipe": recipe, **kwargs})
+        return types.SimpleNamespace(summary={})  # a process that is not the main one has no summary
 
     module.run = run
     monkeypatch.setitem(sys.modules, "ppo_cli.commands.train", module)

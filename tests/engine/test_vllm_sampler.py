@@ -4,6 +4,7 @@ tests/integration/test_vllm_train.py, skipped where vllm is not installed.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
 from typer.testing import CliRunner
@@ -12,7 +13,8 @@ from ppo_cli.cli import app
 from ppo_cli.engine import vllm_sampler
 from ppo_cli.engine.generate import truncate_after_stop
 from ppo_cli.errors import EXIT_USAGE
-from ppo_cli.recipe import GenerationConfig, load_recipe
+from ppo_cli.recipe import GenerationConfig
+from ppo_cli.recipe_loading import load_recipe
 from tests.conftest import ROOT
 
 STOP, PAD = 0, 1
@@ -99,6 +101,7 @@ def test_pad_equal_to_stop_does_not_extend_an_unfinished_response():
     assert generation.finished.tolist() == [False]
 
 
+@pytest.mark.slow
 def test_missing_vllm_is_one_line_and_exit_2(tmp_path, monkeypatch, tiny_models):
     data = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
     data["policy"]["path"] = str(tiny_models / "policy")
