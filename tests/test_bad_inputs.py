@@ -173,6 +173,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-without-a-run", lambda e: ["train", e.recipe(), "--resume", "latest"], "no run to resume at"),
     ("resume-without-checkpoints", lambda e: (e.fake_run(checkpoints=False), ["train", e.recipe(), "--resume", "latest"])[1], "no complete checkpoint"),
     ("resume-a-complete-run", lambda e: (e.fake_run(final_step=30), ["train", e.recipe(), "--resume", "latest"])[1], "is already complete (30/30 updates)"),
+    ("resume-from-final", lambda e: (e.fake_run(final_step=30), ["train", e.recipe(), "--resume", str(e.tmp / "runs" / "tiny-sentiment" / "final")])[1], "holds the trained weights but no optimizer, scheduler or data state"),
     ("resume-corrupted-checkpoint", lambda e: (e.fake_run(corrupt=True), ["train", e.recipe(), "--resume", "latest"])[1], "does not match its manifest"),
     ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
     ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
@@ -184,7 +185,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
 
 
 # Damaged files found while running exit 1 (errors.py); everything else is bad input and exits 2.
-RUNTIME_FAILURES = {"policy-weights-corrupt", "resume-corrupted-checkpoint", "resume-incomplete-checkpoint", "resume-without-checkpoints"}
+RUNTIME_FAILURES = {"policy-weights-corrupt", "resume-corrupted-checkpoint", "resume-incomplete-checkpoint"}
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -285,3 +286,23 @@ def test_a_run_failing_in_its_first_update_takes_back_only_what_it_wrote(existin
     assert [line for line in result.output.splitlines() if line.startswith("error:")] == [
         f"error: reward function '{tmp_path / 'fn.py'}:reward' raised ValueError: broken reward"], result.output
     assert _snapshot(tmp_path) == before  # recipe.yaml, metrics.jsonl, runs/ itself: all gone again
+
+
+def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
+    """Raising total_updates cannot help a run that wrote no checkpoints: the hint must not send the user
+    in a circle, but to a new run that starts from final/."""
+    from ppo_cli.commands.train import _check_not_complete
+    from ppo_cli.errors import UsageError
+    from ppo_cli.runs import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.final.mkdir(parents=True)
+    (run.final / "ppo_cli.json").write_text(json.dumps({"step": 30}))
+    with pytest.raises(UsageError) as with_checkpoints:
+        _check_not_complete(run, 30, has_checkpoints=True)
+    assert with_checkpoints.value.hint.startswith("raise train.total_updates to train further (--set train.total_updates=60)")
+    with pytest.raises(UsageError) as without:
+        _check_not_complete(run, 30, has_checkpoints=False)
+    assert "total_updates" not in without.value.hint
+    assert without.value.hint.startswith(f"it wrote no checkpoints (train.save_every: 0), so it cannot continue; "
+                                         f"train further from its result in a new run: --set policy.adapter={run.final}")

@@ -105,17 +105,21 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
         raise UsageError(f"no run to resume at {run.path}",
                          hint="drop --resume to start it, or set name and output_dir to those of the run to continue")
     if resume == "latest" or Path(resume).resolve() == run.path.resolve():
-        _check_not_complete(run, recipe.train.total_updates)  # a checkpoint named explicitly may redo updates
-        checkpoint = latest_checkpoint(run.checkpoints)
+        checkpoint = latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+        _check_not_complete(run, recipe.train.total_updates, checkpoint is not None)  # a named checkpoint may redo updates
         if checkpoint is None:
-            raise CheckpointError(
+            raise UsageError(
                 f"no complete checkpoint to resume in {run.checkpoints}",
-                hint="set train.save_every to write checkpoints, or start again with --overwrite",
+                hint="checkpoints are written only with train.save_every > 0; start again with --overwrite "
+                     "(and set train.save_every), or " + _start_from_final(run),
             )
     else:
         checkpoint = Path(resume)
         if not checkpoint.is_dir():
             raise UsageError(f"checkpoint not found: {resume}", hint=f"give a directory under {run.checkpoints}")
+        if checkpoint.resolve() == run.final.resolve():
+            raise UsageError(f"{resume} holds the trained weights but no optimizer, scheduler or data state, "
+                             "so a run cannot resume from it", hint=_start_from_final(run))
         if checkpoint.resolve().parent != run.checkpoints.resolve():
             raise UsageError(f"{resume} is not a checkpoint of run {run.path}",
                              hint="resume with the recipe (name, output_dir) of the run it belongs to")
@@ -131,7 +135,13 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
     return checkpoint
 
 
-def _check_not_complete(run, total_updates: int) -> None:
+def _start_from_final(run) -> str:
+    """How to train further from a run's result when it cannot be resumed: a new run that starts there."""
+    return (f"train further from its result in a new run: --set policy.adapter={run.final} (a LoRA run) or "
+            f"--set policy.path={run.final} (full weights), with another name")
+
+
+def _check_not_complete(run, total_updates: int, has_checkpoints: bool = True) -> None:
     """A run whose final/ already holds update ``total_updates`` has nothing left to resume."""
     info = run.final / "ppo_cli.json"
     try:
@@ -139,11 +149,10 @@ def _check_not_complete(run, total_updates: int) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         done = None
     if done is not None and done >= total_updates:
-        raise UsageError(
-            f"run {run.path} is already complete ({done}/{total_updates} updates)",
-            hint=f"raise train.total_updates to train further (--set train.total_updates={done * 2}), "
-                 "or start a new run with --overwrite or another name",
-        )
+        further = (f"raise train.total_updates to train further (--set train.total_updates={done * 2})" if has_checkpoints
+                   else "it wrote no checkpoints (train.save_every: 0), so it cannot continue; " + _start_from_final(run))
+        raise UsageError(f"run {run.path} is already complete ({done}/{total_updates} updates)",
+                         hint=f"{further}; or start a new run with --overwrite or another name")
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:

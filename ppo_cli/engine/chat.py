@@ -42,9 +42,24 @@ def check_chat_template(tokenizer, why: str, hint: str) -> None:
         raise DataError(f"{why} but the tokenizer has no chat template", hint=hint)
 
 
+def render_template(tokenizer, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    """The chat template's text. A template may refuse a conversation (Mistral's and Gemma's raise on a
+    system turn, most on roles that do not alternate): that is the data's fault, said in one line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as err:
+        roles = ", ".join(m["role"] for m in messages)
+        hint = ("this template takes no system turn: remove data.system_prompt (or the rows' system messages)"
+                if any(m["role"] == "system" for m in messages) else "check the rows' roles against the model's chat template")
+        raise DataError(f"the chat template of '{tokenizer.name_or_path}' refuses a conversation ({roles}): {err}",
+                        hint=hint) from None
+
+
 def template_ids(messages: list[Message], tokenizer, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of the templated conversation; the template's own special tokens only."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = render_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -103,4 +118,4 @@ def conversation_text(prompt: Prompt, response: str, tokenizer, system_prompt: s
     """A reward model's input: prompt + response as one conversation in the reward model's own chat
     template (the policy's data.system_prompt included, as the policy saw it)."""
     messages = [*as_messages(prompt, system_prompt), {"role": "assistant", "content": response}]
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    return render_template(tokenizer, messages)

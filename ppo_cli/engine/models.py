@@ -141,6 +141,7 @@ def merge_adapter_into(model: nn.Module, adapter: str, base_path: str) -> nn.Mod
     from peft import PeftModel
 
     check_adapter_reference(adapter)
+    _check_adapter_base_class(adapter, model, base_path)
     try:
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError) as err:
@@ -150,6 +151,24 @@ def merge_adapter_into(model: nn.Module, adapter: str, base_path: str) -> nn.Mod
                              hint=hint) from err
     disable_dropout(merged)
     return merged
+
+
+def _check_adapter_base_class(adapter: str, model: nn.Module, base_path: str) -> None:
+    """An adapter trained on another architecture can load without an error when its shapes happen to fit
+    (and then merges garbage): peft records the base's class, so compare it with the model's."""
+    import json
+
+    config_file = Path(adapter).expanduser() / "adapter_config.json"
+    if not config_file.is_file():
+        return  # a hub id: peft reads its config while loading
+    try:
+        trained_on = json.loads(config_file.read_text(encoding="utf-8")).get("auto_mapping", {}).get("base_model_class")
+    except (OSError, ValueError, AttributeError):
+        return
+    loaded = type(unwrap_causal_lm(model)).__name__
+    if trained_on and trained_on != loaded:
+        raise ModelLoadError(f"adapter '{adapter}' (policy.adapter) was trained on a {trained_on}, but '{base_path}' is a {loaded}",
+                             hint="use the adapter with the base model it was trained on (its adapter_config.json names it)")
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -107,6 +107,7 @@ class ModelScorer:
             device=device, quantization=component.quantization, trust_remote_code=component.trust_remote_code,
         )
         freeze(self.model)
+        check_has_trained_score_head(self.model.config, component.path)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if isinstance(component, ClassifierReward):
@@ -168,6 +169,18 @@ class ModelScorer:
         confidence, label = probs.max(dim=-1)
         value = self.label_values[label]
         return value * confidence if self.component.scale_by_confidence else value
+
+
+def check_has_trained_score_head(config, path: str) -> None:
+    """A checkpoint saved as a causal LM (or any other head) has no classification head: transformers
+    would add one with random weights, and PPO would train on noise without a word."""
+    saved = getattr(config, "architectures", None) or []
+    if saved and not any(name.endswith("ForSequenceClassification") for name in saved):
+        raise RecipeError(
+            f"reward model '{path}' is a {saved[0]} checkpoint with no classification head: its score would be random",
+            hint="use a sequence-classification reward model (…ForSequenceClassification, e.g. from TRL's RewardTrainer) "
+                 "or a Python reward function",
+        )
 
 
 # A reward component's ``type`` -> the class that scores with it, built as cls(component, device, system_prompt).

@@ -88,3 +88,22 @@ def test_batch_is_left_padded_with_a_mask(chat_tokenizer):
 def test_reward_conversation_uses_the_reward_tokenizers_template_with_the_response(chat_tokenizer):
     text = conversation_text("the dog", "the fox", chat_tokenizer, system_prompt="be brief")
     assert text == "<s><|start|>system\nbe brief<|end|><|start|>user\nthe dog<|end|><|start|>assistant\nthe fox<|end|>"
+
+
+def test_a_template_that_refuses_a_system_turn_is_one_line_naming_the_fix(chat_tokenizer):
+    """Mistral's and Gemma's templates raise on a system turn: bad data, not a bug of ours."""
+    import copy
+
+    from ppo_cli.engine.chat import encode_prompt
+    from ppo_cli.recipe import DataConfig
+
+    strict = copy.deepcopy(chat_tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    data = DataConfig(prompts="unused.txt", system_prompt="Be brief.", max_prompt_tokens=64)
+    with pytest.raises(DataError) as err:
+        encode_prompt("the dog", strict, data)
+    assert str(err.value).endswith("refuses a conversation (system, user): System role not supported")
+    assert err.value.hint.startswith("this template takes no system turn: remove data.system_prompt")

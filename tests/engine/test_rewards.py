@@ -169,3 +169,23 @@ def test_min_length_floor_of_the_demo_recipe_counts_tokens_as_the_tiny_tokenizer
     # The function sees only text; its count must be the policy's token count for the floor to mean 8 tokens.
     tokenizer = AutoTokenizer.from_pretrained(tiny_models / "policy")
     assert values == [float(min(0, len(tokenizer.tokenize(r)) - 8)) for r in responses]
+
+
+@pytest.mark.parametrize("kind", ["classifier", "model"])
+def test_a_causal_lm_is_no_reward_model(architecture_models, kind):
+    """transformers gives a causal-LM checkpoint a random score head when it is loaded as a classifier:
+    refuse it in one line instead of training on noise."""
+    path = str(architecture_models / "llama")
+    component = {"type": kind, "path": path, **({"labels": {"LABEL_0": -1.0, "LABEL_1": 1.0}} if kind == "classifier" else {})}
+    with pytest.raises(RecipeError) as err:
+        RewardStack(RewardConfig(components=[component]), torch.device("cpu"))
+    assert str(err.value) == f"reward model '{path}' is a LlamaForCausalLM checkpoint with no classification head: its score would be random"
+
+
+def test_a_sequence_classifier_passes_the_score_head_check():
+    from transformers import LlamaConfig
+
+    from ppo_cli.engine.rewards import check_has_trained_score_head
+
+    check_has_trained_score_head(LlamaConfig(architectures=["LlamaForSequenceClassification"]), "rm")
+    check_has_trained_score_head(LlamaConfig(), "rm")  # no architectures saved: nothing to go on

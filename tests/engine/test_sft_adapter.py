@@ -131,3 +131,21 @@ def test_adapter_for_another_model_fails_in_one_line(tiny_models, sft_adapter, t
     assert err.value.message.startswith(f"cannot apply adapter '{other}' (policy.adapter) to '{tiny_models / 'policy'}': ")
     assert "\n" not in err.value.message
     assert err.value.hint == "the adapter must have been trained on this base model (policy.path)"
+
+
+def test_adapter_trained_on_another_architecture_is_refused_even_when_its_shapes_fit(tiny_models, sft_adapter, tmp_path):
+    """peft records the base's class; shapes that happen to fit would otherwise merge another model's delta."""
+    import json
+    import shutil
+
+    from ppo_cli.errors import ModelLoadError
+
+    other = tmp_path / "gemma-sft"
+    shutil.copytree(sft_adapter, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    config["auto_mapping"] = {"base_model_class": "Gemma2ForCausalLM", "parent_library": "transformers.models.gemma2.modeling_gemma2"}
+    (other / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        load_engine(_recipe(tiny_models, tmp_path, other))
+    assert err.value.message == (f"adapter '{other}' (policy.adapter) was trained on a Gemma2ForCausalLM, "
+                                 f"but '{tiny_models / 'policy'}' is a Qwen2ForCausalLM")
