@@ -7,7 +7,8 @@
 # wheels it pulls in, which fail to load against the CPU torch and would break `import vllm`. With
 # CUDA it installs the 'vllm' extra. On 2 shared cores: about 3.5 minutes to create the venv, then about
 # 6 minutes for the tests (four short training runs, each starting its own vLLM engine), plus the tiny
-# models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest.
+# models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
+# --setup-only makes the venv and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -34,6 +35,8 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   VLLM_ENABLE_V1_MULTIPROCESSING=0 "$PY" -c "import transformers, vllm, ppo_cli.engine.session; print('vllm_test: vllm', vllm.__version__, 'transformers', transformers.__version__)"
   touch "$stamp"
 fi
+
+[ "${1:-}" = "--setup-only" ] && exit 0
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
