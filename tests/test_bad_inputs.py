@@ -181,6 +181,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.4 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
+    ("validate-function-name-missing", lambda e: ["validate", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', FN_OK)}:rewrd'}}]"), "has no function 'rewrd'"),
 ]
 
 
@@ -306,3 +307,15 @@ def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
     assert "total_updates" not in without.value.hint
     assert without.value.hint.startswith(f"it wrote no checkpoints (train.save_every: 0), so it cannot continue; "
                                          f"train further from its result in a new run: --set policy.adapter={run.final}")
+
+
+def test_validate_reads_the_reward_file_for_the_function_name_without_running_it(tmp_path):
+    from ppo_cli.commands.validate import _check_defines
+    from ppo_cli.errors import RewardFunctionError
+
+    path = tmp_path / "fn.py"
+    path.write_text("raise SystemExit('ran')\n\ndef reward(prompts, responses):\n    return []\n")
+    _check_defines(path, "reward")  # found, and the module's code did not run
+    with pytest.raises(RewardFunctionError) as err:
+        _check_defines(path, "rewrd")
+    assert (str(err.value), err.value.hint) == (f"'{path}' has no function 'rewrd'", "did you mean 'reward'?")

@@ -45,9 +45,31 @@ def check_recipe_files(recipe: Recipe) -> None:
         if component.type != "function":
             check_model_reference(component.path)
             continue
-        target = component.function.rpartition(":")[0]
+        target, _, name = component.function.rpartition(":")
         if target.endswith(".py") and not Path(target).is_file():
             raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
+        if target.endswith(".py"):
+            _check_defines(Path(target), name)
+
+
+def _check_defines(path: Path, name: str) -> None:
+    """The file defines ``name`` at its top level: read, not run (its code runs only when training)."""
+    import ast
+    import difflib
+
+    from ppo_cli.errors import RewardFunctionError
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return  # importing it says what is wrong, when training
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    if name not in defined:
+        close = difflib.get_close_matches(name, sorted(defined), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"define def {name}(prompts, responses) -> list[float]"
+        raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
 
 
 def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:
