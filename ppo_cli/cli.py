@@ -136,18 +136,27 @@ def train(
         int,
         typer.Option("--num-processes", min=1, help="Data-parallel processes, launched through `accelerate launch`."),
     ] = 1,
+    accelerate_config: Annotated[
+        Optional[Path],
+        typer.Option("--accelerate-config", metavar="FILE", show_default=False,
+                     help="Launch through `accelerate launch --config_file FILE`: its distributed type, precision "
+                     "and backend apply as written (--num-processes, if given, overrides its process count)."),
+    ] = None,
 ) -> None:
     """Train a policy with PPO as the recipe says; writes output_dir/name/."""
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    if num_processes > 1:
+    if num_processes > 1 or accelerate_config is not None:
         from ppo_cli.launch import launch_train
 
+        if accelerate_config is not None and not accelerate_config.is_file():
+            raise UsageError(f"accelerate config not found: {accelerate_config}",
+                             hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
         args = [str(recipe)] + [a for item in overrides or () for a in ("--set", item)]
         args += ["--overwrite"] * overwrite + ["--merge"] * merge + ["--force"] * force
         args += ["--resume", resume] if resume is not None else []
-        raise typer.Exit(launch_train(num_processes, args))
+        raise typer.Exit(launch_train(num_processes, args, accelerate_config))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 

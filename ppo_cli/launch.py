@@ -14,23 +14,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_command(num_processes: int, train_args: list[str]) -> list[str]:
-    """`accelerate launch` running `python -m ppo_cli train ...` in ``num_processes`` processes.
+def launch_command(num_processes: int, train_args: list[str], config_file=None) -> list[str]:
+    """`accelerate launch` running `python -m ppo_cli train ...`.
 
-    --multi_gpu selects torchrun-style launching; on a machine without CUDA the processes then talk
-    over gloo (ppo_cli asks accelerate for cpu=True there). An accelerate config file, if the user
-    has one (ACCELERATE_CONFIG_FILE or `accelerate config`), still applies to the rest.
+    With ``config_file`` (the user's accelerate config) the launch is as that file says: its
+    distributed type, mixed precision and dynamo backend are not overridden; ``num_processes`` > 1
+    overrides its process count. Without one: ``num_processes`` data-parallel processes, where
+    --multi_gpu selects torchrun-style launching (on a machine without CUDA they talk over gloo:
+    ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe.
     """
-    return [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()),
-        "-m", "ppo_cli", "train", *train_args,
-    ]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file is not None:
+        launcher += ["--config_file", str(config_file)]
+        launcher += ["--num_processes", str(num_processes)] if num_processes > 1 else []
+    else:
+        launcher += [
+            "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()),
+        ]
+    return [*launcher, "-m", "ppo_cli", "train", *train_args]
 
 
-def launch_train(num_processes: int, train_args: list[str]) -> int:
+def launch_train(num_processes: int, train_args: list[str], config_file=None) -> int:
     """Run the launcher in the foreground; its exit code is ours."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(launch_command(num_processes, train_args), env=env).returncode
+    return subprocess.run(launch_command(num_processes, train_args, config_file), env=env).returncode

@@ -122,6 +122,9 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     assert result.stderr.splitlines()[0] == "error: reward function file not found: rewards.py", result.output
     (tmp_path / "rewards.py").write_text("raise SystemExit('imported')\n")  # validate must not run it
     result = invoke("validate", MINIMAL)
+    assert result.stderr.splitlines()[0] == "error: 'rewards.py' has no function 'length_reward'", result.output
+    (tmp_path / "rewards.py").write_text("raise SystemExit('imported')\ndef length_reward(prompts, responses):\n    return []\n")
+    result = invoke("validate", MINIMAL)
     assert result.exit_code == 0, result.output
     assert result.stderr.strip() == SUMMARY
 
@@ -279,3 +282,22 @@ def test_real_process_with_debug_shows_the_traceback(args):
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
     assert "RecipeError: no/such.yaml: no such recipe file" in result.stderr
+
+
+def test_a_users_accelerate_config_is_launched_as_written(tmp_path):
+    """--accelerate-config: its precision and backend are the user's, not overridden by ppo's defaults."""
+    from ppo_cli.launch import launch_command
+
+    config = tmp_path / "fsdp.yaml"
+    with_config = launch_command(1, ["r.yaml", "--set", "seed=1"], config)
+    assert with_config[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(config),
+                               "-m", "ppo_cli", "train", "r.yaml", "--set", "seed=1"]
+    assert launch_command(4, ["r.yaml"], config)[5:7] == ["--num_processes", "4"]
+    default = launch_command(2, ["r.yaml"])
+    assert "--config_file" not in default and default[default.index("--mixed_precision") + 1] == "no"
+
+
+def test_a_missing_accelerate_config_is_one_line():
+    result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--accelerate-config", "nowhere.yaml")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == "error: accelerate config not found: nowhere.yaml"
