@@ -115,7 +115,7 @@ def print_train_summary(summary: dict) -> None:
 
     episodes_per_s = summary.get("episodes_per_s", summary["episodes"] / max(summary["seconds"], 1e-9))
     throughput = Text(
-        f"{summary['updates']} updates · {summary['episodes']} episodes in {_duration(summary['seconds'])} · "
+        f"{summary['updates']} update{'s' * (summary['updates'] != 1)} · {summary['episodes']} episodes in {_duration(summary['seconds'])} · "
         f"{episodes_per_s:.2f} episodes/s · peak memory {summary['peak_memory_gb']:.2f} GB"
     )
     files = Table(show_header=False, box=None, pad_edge=False, title="files", title_justify="left", title_style="bold")
