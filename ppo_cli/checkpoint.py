@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, save_adapter, unwrap_causal_lm
 from ppo_cli.memory_errors import disk_space_for
 from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
@@ -47,13 +47,6 @@ def write_manifest(directory: Path, info: dict) -> None:
         "files": {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files},
     }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-
-
-def save_adapter(policy, adapter: str, target: Path) -> None:
-    """peft writes a non-default adapter into a subfolder named after it; move it to ``target``."""
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        policy.save_pretrained(tmp, selected_adapters=[adapter])
-        shutil.move(str(Path(tmp) / adapter), target)
 
 
 def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:

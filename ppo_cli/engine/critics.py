@@ -139,7 +139,7 @@ class AdapterCritic(Critic):
         return response_slice(hidden, response_len)
 
     def save(self, ac, critic_dir):
-        from ppo_cli.checkpoint import save_adapter
+        from ppo_cli.engine.models import save_adapter
 
         save_adapter(ac.policy, VALUE_ADAPTER, critic_dir / "value_adapter")
 

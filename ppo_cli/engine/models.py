@@ -227,6 +227,16 @@ def peft_lora_config(lora: LoraConfig):
     )
 
 
+def save_adapter(policy: nn.Module, adapter: str, target: Path) -> None:
+    """One peft adapter of ``policy`` in peft's format at ``target`` (peft writes an adapter not named
+    "default" into a subfolder of its name: it is moved up)."""
+    import shutil
+
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        policy.save_pretrained(tmp, selected_adapters=[adapter])
+        shutil.move(str(Path(tmp) / adapter), target)
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (its LoRA layers are injected in place)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -236,11 +236,10 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe, tokenizer)
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
-    loaded = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
-    actor_critic = build_actor_critic(recipe, device, loaded)
+    reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
+    actor_critic = build_actor_critic(recipe, device, reward_models)
     if device.type == "cpu":
-        models = [actor_critic.policy, actor_critic.ref_model] + [getattr(s, "model", None) for _, _, s in reward.scorers]
-        for model in models:
+        for model in [actor_critic.policy, actor_critic.ref_model, *reward_models.values()]:
             if model is not None and is_quantized(model):
                 own_unquantized_tensors(model)
     sampler = None

@@ -251,19 +251,16 @@ class VllmSampler:
     def _sync_adapter(self, policy) -> None:
         from vllm.lora.request import LoRARequest
 
-        from ppo_cli.engine.models import POLICY_ADAPTER
+        from ppo_cli.engine.models import POLICY_ADAPTER, save_adapter
 
-        previous, previous_dir = self.lora_request, None
+        previous = self.lora_request
         self._lora_id += 1
         directory = self._adapter_root / f"update-{self._lora_id}"
-        policy.save_pretrained(str(directory), selected_adapters=[POLICY_ADAPTER])
-        # peft writes an adapter not named "default" into a subdirectory of its name.
-        adapter_dir = directory / POLICY_ADAPTER if (directory / POLICY_ADAPTER).is_dir() else directory
-        self.lora_request = LoRARequest(f"policy-{self._lora_id}", self._lora_id, str(adapter_dir))
+        save_adapter(policy, POLICY_ADAPTER, directory)
+        self.lora_request = LoRARequest(f"policy-{self._lora_id}", self._lora_id, str(directory))
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            previous_dir = Path(previous.lora_path)
-            shutil.rmtree(previous_dir.parent if previous_dir.name == POLICY_ADAPTER else previous_dir, ignore_errors=True)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def _sync_weights(self, policy) -> None:
         from ppo_cli.engine.models import unwrap_causal_lm
