@@ -211,6 +211,18 @@ def test_train_invalid_recipe_never_reaches_the_train_command(fake_train, bad_re
     assert fake_train == []
 
 
+def test_train_vllm_with_several_processes_is_refused_before_launching(monkeypatch, fake_train):
+    launched = []
+    monkeypatch.setattr("ppo_cli.launch.launch_train", lambda *a, **k: launched.append(a) or 0)
+    result = invoke("train", MINIMAL, "--set", "generation.backend=vllm", "--num-processes", "2")
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        "error: generation.backend 'vllm' runs in one process only",
+        "hint: train with one process (no --num-processes / accelerate launch), or set generation.backend: hf",
+    ]
+    assert launched == [] and fake_train == []
+
+
 def test_train_ppo_error_keeps_its_exit_code_and_hint(monkeypatch, fake_train):
     def refuse(recipe, **kwargs):
         raise UsageError("runs/minimal exists", hint="pass --overwrite or change name")
@@ -301,3 +313,12 @@ def test_a_missing_accelerate_config_is_one_line():
     result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--accelerate-config", "nowhere.yaml")
     assert result.returncode == 2
     assert result.stderr.splitlines()[0] == "error: accelerate config not found: nowhere.yaml"
+
+
+def test_train_launched_process_refuses_vllm_before_loading_models(monkeypatch):
+    from ppo_cli.commands.train import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch / torchrun set in each process
+    recipe = load_recipe(MINIMAL, ["generation.backend=vllm"])
+    with pytest.raises(UsageError, match="generation.backend 'vllm' runs in one process only"):
+        preflight(recipe)

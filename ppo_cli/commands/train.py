@@ -7,6 +7,7 @@ function, output directory, checkpoint to resume) runs before the first model is
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import signal
@@ -51,6 +52,11 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
 
+    if recipe.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import check_one_process, check_vllm_installed
+
+        check_one_process(int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
+        check_vllm_installed()
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
     check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
@@ -67,10 +73,6 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.tracking import check_trackers
 
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
-    if recipe.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import check_vllm_installed
-
-        check_vllm_installed()
     return prompts, eval_prompts
 
 
