@@ -129,6 +129,27 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     assert result.stderr.strip() == SUMMARY
 
 
+def test_validate_refuses_a_conversation_reward_model_without_a_chat_template(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("The movie was\n")
+    for model in ("tiny/policy", "rm"):
+        (tmp_path / model).mkdir(parents=True)
+        (tmp_path / model / "config.json").write_text("{}")
+    (tmp_path / "rm" / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(MINIMAL.read_text().replace(
+        "    - type: function\n      function: rewards.py:length_reward\n",
+        "    - type: model\n      path: rm\n      text: conversation\n"))
+    result = invoke("validate", recipe)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        "error: reward component 'rm' reads text: conversation but its tokenizer has no chat template",
+        "hint: use a reward model whose tokenizer has a chat template, or text: prompt_and_response / response",
+    ]
+    (tmp_path / "rm" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert invoke("validate", recipe).exit_code == 0
+
+
 def test_validate_bad_recipe_is_one_error_line_and_a_hint(bad_recipe):
     result = invoke("validate", bad_recipe)
     assert result.exit_code == EXIT_USAGE
