@@ -64,11 +64,22 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path, full_stat
             shutil.move(str(item), directory / item.name)
         (directory / "_policy").rmdir()
     else:
-        unwrap_causal_lm(ac.policy).save_pretrained(directory, safe_serialization=True, state_dict=policy_state)
+        model = unwrap_causal_lm(ac.policy)
+        model.save_pretrained(directory, safe_serialization=True, state_dict=without_tied_copies(model, policy_state))
     ac.critic.save(ac, critic, full_state)
     head = part_of(full_state, "value_head.") or ac.value_head.state_dict()
     save_file({name: t.detach().contiguous().cpu() for name, t in head.items()}, critic / VALUE_HEAD)
     tokenizer.save_pretrained(directory)
+
+
+def without_tied_copies(model: torch.nn.Module, state: dict | None) -> dict | None:
+    """``state`` without the second names of tied parameters (lm_head.weight of a model with tied
+    embeddings): gathered copies no longer share storage, so save_pretrained would write both."""
+    if state is None:
+        return None
+    kept = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
+    return {name: tensor for name, tensor in state.items() if name not in tied}
 
 
 def part_of(state: dict | None, prefix: str) -> dict | None:
