@@ -327,23 +327,38 @@ def _brief(result: dict, warmup: int) -> str:
 
 
 def cmd_compare(args) -> None:
-    """Rounds of side-by-side runs: TRL, then ours once per --value-kind (the order flips every round)."""
+    """Rounds of side-by-side runs: TRL once per --precision, ours once per (--value-kind, precision it
+    resolves to); the order flips every round."""
     out = RESULTS / f"compare-{args.shape}{args.tag}.jsonl"
     modes = [m.strip() for m in args.modes.split(",")]
-    kinds = value_kinds(args.value_kind)
+    kinds, precisions = value_kinds(args.value_kind), [p.strip() for p in args.precision.split(",")]
+    impls = args.impls.split(",")
     for round_ in range(args.rounds):
         for mode in modes:
-            runs = [("trl", None)] * ("trl" in args.impls.split(",")) + [("ours", k) for k in kinds] * ("ours" in args.impls.split(","))
-            for impl, kind in runs if round_ % 2 == 0 else runs[::-1]:
+            runs = [("trl", None, p) for p in precisions if "trl" in impls]
+            runs += [("ours", k, p) for k in kinds for p in ours_precisions(precisions) if "ours" in impls]
+            for impl, kind, precision in runs if round_ % 2 == 0 else runs[::-1]:
                 cfg = bench_config(args, lora=(mode == "lora"), value_kind=kind or "model-reward", seed=args.seed + round_,
-                                   lr=args.lr, precision=args.precision)
+                                   lr=args.lr, precision=precision)
                 load = wait_for_quiet(args.max_load) if args.max_load else load_average()
-                tag = f"{args.shape}{args.tag}-{mode}-{impl}-{kind or 'trl'}-{args.precision}-r{round_}"
+                tag = f"{args.shape}{args.tag}-{mode}-{impl}-{kind or 'trl'}-{precision}-r{round_}"
                 print(f"[round {round_}] {tag} (load {load:.2f})", flush=True)
                 result = run_ours(cfg, tag) if impl == "ours" else run_trl(cfg, tag)
                 result["load_at_start"] = load
                 record(result, cfg, "compare", out)
                 print("   ", _brief(result, args.warmup), flush=True)
+
+
+def ours_precisions(precisions: list[str]) -> list[str]:
+    """Ours runs 'native' (train.mixed_precision auto) only where auto is not fp32 already (on CPU it is)."""
+    if "native" not in precisions:
+        return precisions
+    import torch
+
+    from ppo_cli.engine.precision import resolve_mixed_precision
+
+    native_is_fp32 = resolve_mixed_precision("auto", torch.device("cpu"), torch.float32) == "no"
+    return [p for p in precisions if not (p == "native" and native_is_fp32 and "fp32" in precisions)]
 
 
 VALUE_KINDS = ("head", "adapter", "model", "model-reward", "model-reward-frozen", "auto")
@@ -467,31 +482,44 @@ def summarise(results: list[dict], warmup: int) -> dict:
 
 
 def side_by_side_table(results: list[dict], shape: str, warmup: int, title: str) -> None:
+    """One row per (implementation, critic, precision); ours is divided by TRL at the same precision
+    (fp32) and, for ours' own default, by TRL at its own default (bf16) too."""
     times = sorted({r["time"][11:16] for r in results})
     print(f"### {shape}: side by side{title} (runs finished {times[0]}-{times[-1]}; median after {warmup} warm-up update(s) per run)\n")
-    print("| mode | impl | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates | ours/TRL time | ours/TRL memory |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | impl | precision | s/update | episodes/s | gen tokens/s | peak GB | mean score/update | runs x updates | ours/TRL time | ours/TRL memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
+    precision_of = lambda r: r["cfg"].get("precision", "fp32")  # noqa: E731
     for mode in ("lora", "full"):
-        groups = [("trl", None)] + [("ours", k) for k in ("auto", "head", "adapter", "model", "model-reward", "model-reward-frozen")]
+        groups = [("trl", None, p) for p in ("fp32", "native")]
+        groups += [("ours", k, p) for k in ("auto", "head", "adapter", "model", "model-reward", "model-reward-frozen")
+                   for p in ("fp32", "native")]
         rows = {}
-        for impl, kind in groups:
+        for impl, kind, precision in groups:
             sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
-                   and (kind is None or r["cfg"]["value_kind"] == kind)]
+                   and precision_of(r) == precision and (kind is None or r["cfg"]["value_kind"] == kind)]
             if not sel:
                 continue
-            s = rows[impl, kind] = summarise(sel, warmup)
+            s = rows[impl, kind, precision] = summarise(sel, warmup)
             label = "TRL 1.12.0" if impl == "trl" else f"ppo_cli, value {kind}"
+            shown = {"fp32": "fp32", "native": "bf16 (TRL default)" if impl == "trl" else "auto"}[precision]
             ratio = " | "
-            if impl == "ours" and ("trl", None) in rows:
-                t = s["s_per_update"] / rows["trl", None]["s_per_update"]
-                m = s["peak_gb"] / rows["trl", None]["peak_gb"]
+            trl = rows.get(("trl", None, precision))
+            if impl == "ours" and trl is not None:
+                t, m = s["s_per_update"] / trl["s_per_update"], s["peak_gb"] / trl["peak_gb"]
                 ratio = f"{t:.2f} | {m:.2f}"
-                ratios.append((mode, kind, t, m))
-            print(f"| {mode} | {label} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
+                ratios.append((mode, kind, precision, precision, t, m))
+            print(f"| {mode} | {label} | {shown} | {s['s_per_update']:.2f} | {s['episodes_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
                   f"{s['peak_gb']:.2f} | {s['mean_score']:+.3f} | {s['runs']} x {s['updates_measured'] // s['runs']} | {ratio} |")
-    for mode, kind, t, m in ratios:
-        print(f"\n{shape} {mode}, value {kind}: ours/TRL seconds per update = {t:.2f}, peak memory = {m:.2f}")
+        # Each tool at its own default: ours fp32 (auto on CPU) against TRL's bf16.
+        trl_native = rows.get(("trl", None, "native"))
+        for (impl, kind, precision), s in rows.items():
+            if impl == "ours" and precision == "fp32" and trl_native is not None:
+                ratios.append((mode, kind, "fp32", "native", s["s_per_update"] / trl_native["s_per_update"],
+                               s["peak_gb"] / trl_native["peak_gb"]))
+    for mode, kind, ours_p, trl_p, t, m in ratios:
+        print(f"\n{shape} {mode}, value {kind}, ours {ours_p} vs TRL {trl_p}: ours/TRL seconds per update = {t:.2f}, "
+              f"peak memory = {m:.2f}")
     print()
 
 
@@ -596,9 +624,9 @@ def main(argv=None) -> int:
         p.add_argument("--modes", default="lora,full")
         p.add_argument("--value-kind", default="head",
                        help=f"ours' critic, or several comma-separated (compare: one run of ours each): {', '.join(VALUE_KINDS)}")
-        p.add_argument("--precision", choices=("fp32", "native"), default="fp32",
-                       help="fp32 for both, or each tool's own default (TRL: PPOConfig's bf16=True; ours: "
-                            "train.mixed_precision auto)")
+        p.add_argument("--precision", default="fp32",
+                       help="fp32 for both, native: each tool's own default (TRL: PPOConfig's bf16=True; ours: "
+                            "train.mixed_precision auto), or fp32,native (compare: one run per precision)")
         p.add_argument("--impls", default="trl,ours")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--warmup", type=int, default=1)
