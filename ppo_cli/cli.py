@@ -113,6 +113,7 @@ def validate(
 
 @app.command()
 def train(
+    ctx: typer.Context,
     recipe: RecipeArg,
     overrides: OverridesOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")] = False,
@@ -152,15 +153,17 @@ def train(
 
         check_one_process(num_processes)
     if num_processes > 1 or accelerate_config is not None:
-        from ppo_cli.launch import launch_train
+        from ppo_cli.launch import config_uses_deepspeed, launch_train
 
         if accelerate_config is not None and not accelerate_config.is_file():
             raise UsageError(f"accelerate config not found: {accelerate_config}",
                              hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
-        args = [str(recipe)] + [a for item in overrides or () for a in ("--set", item)]
-        args += ["--overwrite"] * overwrite + ["--merge"] * merge + ["--force"] * force
-        args += ["--resume", resume] if resume is not None else []
-        raise typer.Exit(launch_train(num_processes, args, accelerate_config))
+        if accelerate_config is not None and config_uses_deepspeed(accelerate_config):
+            from ppo_cli.commands.train import check_deepspeed_checkpoints
+
+            check_deepspeed_checkpoints(resolved, uses_deepspeed=True)  # once here, not once per process
+        argv = (ctx.find_root().obj or {}).get("argv", sys.argv[1:])
+        raise typer.Exit(launch_train(num_processes, argv, accelerate_config))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     last resort for anything raised outside a subcommand."""
     args = _bare_resume(_debug_first(list(sys.argv[1:] if argv is None else argv)))
     try:
-        app(args=args, prog_name="ppo")
+        # obj: the command line as given, for `ppo train --num-processes N` to forward whole.
+        app(args=args, prog_name="ppo", obj={"argv": args})
     except (Exception, KeyboardInterrupt) as err:
         if "--debug" in args or _env_debug():
             raise
