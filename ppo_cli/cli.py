@@ -191,17 +191,29 @@ def plan(
         typer.Option("--gpu-memory", metavar="GB", min=0.1, help="Plan for a GPU with this much memory (GB) and say "
                      "whether the recipe fits. Default: the local GPU's memory, if any.", show_default=False),
     ] = None,
+    num_processes: Annotated[
+        int, typer.Option("--num-processes", metavar="N", help="Plan per process of N data-parallel processes "
+                          "(one per GPU), as `ppo train --num-processes N` runs.")
+    ] = 1,
+    sharding: Annotated[
+        str, typer.Option("--sharding", metavar="none|zero2|zero3|fsdp", help="What the N processes split: none "
+                          "(DDP: each holds everything), zero2 (gradients and AdamW states), zero3 or fsdp (also the "
+                          "policy's and critic's weights; the policy is gathered whole for generation).")
+    ] = "none",
 ) -> None:
     """Memory each role needs (weights, LoRA, gradients, optimizer, activations, KV cache), from the model
     configs alone; if it does not fit, the recipe changes that would make it fit."""
     from ppo_cli.recipe_loading import load_recipe
 
+    from ppo_cli.commands.plan import check_sharding
+
+    check_sharding(num_processes, sharding)
     resolved = load_recipe(recipe, overrides or ())
     from ppo_cli.commands.plan import render, set_args  # imports torch: only after the recipe is valid
     from ppo_cli.commands.plan import run as run_plan
     from ppo_cli.report import console
 
-    result = run_plan(resolved, gpu_memory)
+    result = run_plan(resolved, gpu_memory, processes=num_processes, sharding=sharding)
     console.print(render(result))
     if result.suggestions:  # one unwrapped line to copy, whatever the terminal's width
         import shlex
