@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, tiny_overrides
 
@@ -22,6 +23,22 @@ pytestmark = [
 ]
 
 
+def _every_parameter_partitioned(out: Path) -> Path:
+    """ZeRO-3 as recipes/accelerate/deepspeed_zero3.yaml, but DeepSpeed's default keeps parameters under
+    1e5 elements whole on every process, which is all of the tiny policy's: threshold 0 shards them all."""
+    ds = out / "ds_zero3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                              "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                              "gradient_accumulation_steps": 1}))
+    config = out / "zero3_all.yaml"
+    config.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1, "num_processes": 2,
+        "machine_rank": 0, "rdzv_backend": "static", "same_network": True, "use_cpu": False,
+        "deepspeed_config": {"deepspeed_config_file": str(ds), "zero3_init_flag": False},
+    }))
+    return config
+
+
 def _train(models: Path, out: Path, config: str, **sets) -> subprocess.CompletedProcess:
     settings = {
         "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
@@ -30,7 +47,8 @@ def _train(models: Path, out: Path, config: str, **sets) -> subprocess.Completed
         **sets,
     }
     args = [sys.executable, "-m", "ppo_cli", "train", str(ROOT / "recipes/tiny_sentiment.yaml"),
-            "--accelerate-config", str(ROOT / "recipes/accelerate" / config), "--num-processes", "2"]
+            "--accelerate-config", str(ROOT / "recipes/accelerate" / config if config.startswith("deepspeed_")
+                                       else _every_parameter_partitioned(out)), "--num-processes", "2"]
     for item in tiny_overrides(models, out, **settings):
         args += ["--set", item]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
@@ -41,7 +59,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "zero3, every parameter partitioned"])
 def test_deepspeed_trains_with_two_cpu_processes(tiny_models, tmp_path, config):
     result = _train(tiny_models, tmp_path, config)
     assert result.returncode == 0, result.stderr[-4000:]
