@@ -32,6 +32,12 @@ class _OneLineErrors(TyperGroup):
     directly, sees exactly what a user sees.
     """
 
+    def main(self, args=None, *rest, **extra):  # type: ignore[no-untyped-def]
+        # The command line as given, for `ppo train --num-processes N` to forward whole (ctx.obj).
+        args = list(sys.argv[1:] if args is None else args)
+        extra.setdefault("obj", {"argv": args})
+        return super().main(args, *rest, **extra)
+
     def invoke(self, ctx):  # type: ignore[no-untyped-def]
         try:
             return super().invoke(ctx)
@@ -162,8 +168,7 @@ def train(
             from ppo_cli.commands.train import check_deepspeed_checkpoints
 
             check_deepspeed_checkpoints(resolved, uses_deepspeed=True)  # once here, not once per process
-        argv = (ctx.find_root().obj or {}).get("argv", sys.argv[1:])
-        raise typer.Exit(launch_train(num_processes, argv, accelerate_config))
+        raise typer.Exit(launch_train(num_processes, ctx.find_root().obj["argv"], accelerate_config))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
@@ -360,8 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     last resort for anything raised outside a subcommand."""
     args = _bare_resume(_debug_first(list(sys.argv[1:] if argv is None else argv)))
     try:
-        # obj: the command line as given, for `ppo train --num-processes N` to forward whole.
-        app(args=args, prog_name="ppo", obj={"argv": args})
+        app(args=args, prog_name="ppo")
     except (Exception, KeyboardInterrupt) as err:
         if "--debug" in args or _env_debug():
             raise

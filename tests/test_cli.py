@@ -369,6 +369,10 @@ def test_ppo_train_forwards_options_it_does_not_know_about(monkeypatch, tmp_path
     assert launched["num_processes"] == 2
     # --resume without a value became --resume latest (cli._bare_resume), as a single process sees it
     assert command[command.index("ppo_cli") + 1:] == ["train", recipe, "--set", "seed=3", "--merge", "--resume", "latest"]
+    # The same through Typer's CliRunner (which calls the app, not main()).
+    result = CliRunner().invoke(app, ["train", recipe, "--num-processes=2", "--overwrite", "--set", "seed=4"])
+    assert result.exit_code == 0, result.output
+    assert launched["command"][command.index("ppo_cli") + 1:] == ["train", recipe, "--overwrite", "--set", "seed=4"]
 
 
 def test_deepspeed_with_checkpoints_is_refused_before_launching(tmp_path):
