@@ -32,6 +32,12 @@ class _OneLineErrors(TyperGroup):
     directly, sees exactly what a user sees.
     """
 
+    def main(self, args=None, *rest, **extra):  # type: ignore[no-untyped-def]
+        # The command line as given, for `ppo train --num-processes N` to forward whole (ctx.obj).
+        args = list(sys.argv[1:] if args is None else args)
+        extra.setdefault("obj", {"argv": args})
+        return super().main(args, *rest, **extra)
+
     def invoke(self, ctx):  # type: ignore[no-untyped-def]
         try:
             return super().invoke(ctx)
@@ -113,6 +119,7 @@ def validate(
 
 @app.command()
 def train(
+    ctx: typer.Context,
     recipe: RecipeArg,
     overrides: OverridesOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")] = False,
@@ -152,15 +159,16 @@ def train(
 
         check_one_process(num_processes)
     if num_processes > 1 or accelerate_config is not None:
-        from ppo_cli.launch import launch_train
+        from ppo_cli.launch import config_uses_deepspeed, launch_train
 
         if accelerate_config is not None and not accelerate_config.is_file():
             raise UsageError(f"accelerate config not found: {accelerate_config}",
                              hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
-        args = [str(recipe)] + [a for item in overrides or () for a in ("--set", item)]
-        args += ["--overwrite"] * overwrite + ["--merge"] * merge + ["--force"] * force
-        args += ["--resume", resume] if resume is not None else []
-        raise typer.Exit(launch_train(num_processes, args, accelerate_config))
+        if accelerate_config is not None and config_uses_deepspeed(accelerate_config):
+            from ppo_cli.commands.train import check_deepspeed_checkpoints
+
+            check_deepspeed_checkpoints(resolved, uses_deepspeed=True)  # once here, not once per process
+        raise typer.Exit(launch_train(num_processes, ctx.find_root().obj["argv"], accelerate_config))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
@@ -188,17 +196,29 @@ def plan(
         typer.Option("--gpu-memory", metavar="GB", min=0.1, help="Plan for a GPU with this much memory (GB) and say "
                      "whether the recipe fits. Default: the local GPU's memory, if any.", show_default=False),
     ] = None,
+    num_processes: Annotated[
+        int, typer.Option("--num-processes", metavar="N", help="Plan per process of N data-parallel processes "
+                          "(one per GPU), as `ppo train --num-processes N` runs.")
+    ] = 1,
+    sharding: Annotated[
+        str, typer.Option("--sharding", metavar="none|zero2|zero3|fsdp", help="What the N processes split: none "
+                          "(DDP: each holds everything), zero2 (gradients and AdamW states), zero3 or fsdp (also the "
+                          "policy's and critic's weights; the policy is gathered whole for generation).")
+    ] = "none",
 ) -> None:
     """Memory each role needs (weights, LoRA, gradients, optimizer, activations, KV cache), from the model
     configs alone; if it does not fit, the recipe changes that would make it fit."""
     from ppo_cli.recipe_loading import load_recipe
 
+    from ppo_cli.commands.plan import check_sharding
+
+    check_sharding(num_processes, sharding)
     resolved = load_recipe(recipe, overrides or ())
     from ppo_cli.commands.plan import render, set_args  # imports torch: only after the recipe is valid
     from ppo_cli.commands.plan import run as run_plan
     from ppo_cli.report import console
 
-    result = run_plan(resolved, gpu_memory)
+    result = run_plan(resolved, gpu_memory, processes=num_processes, sharding=sharding)
     console.print(render(result))
     if result.suggestions:  # one unwrapped line to copy, whatever the terminal's width
         import shlex

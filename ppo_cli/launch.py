@@ -1,4 +1,8 @@
-"""`ppo train --num-processes N`: the same command under `accelerate launch`, N data-parallel processes."""
+"""`ppo train --num-processes N`: the same command under `accelerate launch`, N data-parallel processes.
+
+The launched processes get the user's command line whole, less the launcher's own options: whatever
+`ppo train` accepts (today's options and tomorrow's) reaches them unchanged.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+# The launcher's own options, each taking one value: the launched processes must not launch again.
+LAUNCHER_OPTIONS = ("--num-processes", "--accelerate-config")
 
 
 def _free_port() -> int:
@@ -14,8 +22,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_command(num_processes: int, train_args: list[str], config_file=None) -> list[str]:
-    """`accelerate launch` running `python -m ppo_cli train ...`.
+def forwarded_args(argv: list[str]) -> list[str]:
+    """``argv`` (a `ppo` command line without the program name, e.g. ``['train', 'r.yaml', ...]``)
+    without the launcher's options, in both spellings (``--num-processes 2``, ``--num-processes=2``).
+    Everything after a ``--`` is passed as it is."""
+    out: list[str] = []
+    skip_value = False
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if skip_value:
+            skip_value = False
+        elif arg in LAUNCHER_OPTIONS:
+            skip_value = True
+        elif not arg.startswith(tuple(option + "=" for option in LAUNCHER_OPTIONS)):
+            out.append(arg)
+    return out
+
+
+def launch_command(num_processes: int, ppo_args: list[str], config_file=None) -> list[str]:
+    """`accelerate launch` running `python -m ppo_cli <ppo_args>` (``ppo_args`` from forwarded_args).
 
     With ``config_file`` (the user's accelerate config) the launch is as that file says: its
     distributed type, mixed precision and dynamo backend are not overridden; ``num_processes`` > 1
@@ -33,10 +59,22 @@ def launch_command(num_processes: int, train_args: list[str], config_file=None) 
             "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(_free_port()),
         ]
-    return [*launcher, "-m", "ppo_cli", "train", *train_args]
+    return [*launcher, "-m", "ppo_cli", *ppo_args]
 
 
-def launch_train(num_processes: int, train_args: list[str], config_file=None) -> int:
-    """Run the launcher in the foreground; its exit code is ours."""
+def launch_train(num_processes: int, argv: list[str], config_file=None) -> int:
+    """Run the launcher in the foreground with the user's ``argv`` forwarded; its exit code is ours."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(launch_command(num_processes, train_args, config_file), env=env).returncode
+    command = launch_command(num_processes, forwarded_args(argv), config_file)
+    return subprocess.run(command, env=env).returncode
+
+
+def config_uses_deepspeed(config_file: Path) -> bool:
+    """Whether an accelerate config file launches DeepSpeed (distributed_type: DEEPSPEED)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(config_file).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # accelerate itself says what is wrong with the file
+    return isinstance(config, dict) and str(config.get("distributed_type", "")).upper() == "DEEPSPEED"

@@ -166,6 +166,8 @@ class Settings:
     value_frozen: bool = False  # value.kind model with train_backbone false: only its head trains
     value_shared: bool = False  # ... and it is the reward model already loaded (no second copy)
     optimizer: str = "adamw"  # optim.name: adamw keeps two moments in the parameter dtype, the 8-bit ones 1 B each
+    processes: int = 1  # data-parallel processes (one per GPU); the estimate is per process
+    sharding: str = "none"  # none (DDP) | zero2 | zero3 | fsdp (full shard): what is split across processes
 
 
 @dataclass
@@ -281,7 +283,49 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
                    "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
                    "runtime")
+    lines, update, rollout = shard(s, policy, lines, update, rollout)
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+# What each sharding splits across the processes, by (role, part); the rest stays whole on every process.
+SHARDED_PARTS = {
+    "none": set(),
+    "zero2": {("policy", "gradients"), ("policy", "AdamW states"), ("value", "gradients + AdamW states")},
+}
+SHARDING = ("none", "zero2", "zero3", "fsdp")
+
+
+def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line], rollout: list[Line]):
+    """Per-process lines under ``s.sharding`` over ``s.processes``. ZeRO-2 splits the gradients and AdamW
+    states of what trains; ZeRO-3 and FSDP (full shard) also split the weights of the model handed to
+    prepare() (the policy, its frozen LoRA base included unless quantized, and the critic). The frozen
+    reference copy and reward models stay whole. Generation needs the whole policy: ppo_cli gathers it
+    for the rollout (counted: the full weights less the process's own shard), and the update gathers
+    one decoder layer at a time (counted: the weights / layers)."""
+    n = s.processes
+    if s.sharding == "none" or n == 1:
+        return lines, update, rollout
+    full_shard = s.sharding in ("zero3", "fsdp")
+
+    def split(line: Line) -> bool:
+        key = (line.role, line.part)
+        if key in SHARDED_PARTS["zero2"]:
+            return True
+        if not full_shard or line.phase != "static":
+            return False
+        policy_weights = key == ("policy", "weights") and s.quantization == "none"
+        return policy_weights or key == ("policy", "LoRA adapter") or line.role == "value"
+
+    out = [dataclasses.replace(line, gb=line.gb / n, how=f"{line.how}, / {n} ({s.sharding})") if split(line) else line
+           for line in lines]
+    if full_shard:
+        weights = sum(line.gb for line in lines if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
+        gathered = weights - sum(line.gb for line in out if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
+        rollout = rollout + [Line("rollout", "policy gathered for generation", gathered,
+                                  f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")]
+        update = update + [Line("policy", "one layer gathered (update)", weights / policy.layers,
+                                f"policy weights / {policy.layers} layers, gathered layer by layer", "update")]
+    return out, update, rollout
 
 
 def _optimizer_state_bytes(optimizer: str, param_bytes: float) -> float:

@@ -23,7 +23,7 @@ from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
 from ppo_cli.algo.masking import masked_mean, masked_whiten
-from ppo_cli.distributed import Distributed
+from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import PolicyAndValue, selective_log_softmax
 from ppo_cli.engine.session import Engine
@@ -185,6 +185,7 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             for index, rows in enumerate(micro_batches):
                 # Gradients are averaged across processes once per mini-batch, not per micro-batch.
                 sync = index == len(micro_batches) - 1
+                mark_accumulation_boundary(accelerator, sync)
                 with contextlib.nullcontext() if sync else accelerator.no_sync(state.model):
                     loss = micro_batch_loss(state, rollout, adv, rows, stats)
                     # Each micro-batch's loss is a mean over its own tokens: weight it by its share of
@@ -193,8 +194,9 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             grad_norm = state.dist.clip_grad_norm_(params, max_grad_norm or float("inf"))
             # One NaN step would poison the weights for good: drop it. (After the all-reduce the
             # gradients, hence their norm, are the same on every process, so all of them agree.)
-            # DeepSpeed clips inside its engine and reports no norm here.
-            grad_norm = torch.zeros(()) if grad_norm is None else grad_norm
+            # DeepSpeed clips and steps inside its engine (in the last backward) and reports its norm
+            # as a float, or None.
+            grad_norm = torch.zeros(()) if grad_norm is None else torch.as_tensor(grad_norm)
             if not torch.isfinite(grad_norm):
                 stats.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
@@ -292,6 +294,7 @@ class TrainState:
 def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
     recipe = engine.recipe
     dist = dist or Distributed(recipe.train.device)
+    configure_deepspeed(dist.accelerator, recipe.ppo.micro_batch_size, recipe.optim.max_grad_norm)
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
         recipe=recipe,

@@ -322,12 +322,66 @@ def test_a_users_accelerate_config_is_launched_as_written(tmp_path):
     from ppo_cli.launch import launch_command
 
     config = tmp_path / "fsdp.yaml"
-    with_config = launch_command(1, ["r.yaml", "--set", "seed=1"], config)
+    with_config = launch_command(1, ["train", "r.yaml", "--set", "seed=1"], config)
     assert with_config[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(config),
                                "-m", "ppo_cli", "train", "r.yaml", "--set", "seed=1"]
-    assert launch_command(4, ["r.yaml"], config)[5:7] == ["--num_processes", "4"]
-    default = launch_command(2, ["r.yaml"])
+    assert launch_command(4, ["train", "r.yaml"], config)[5:7] == ["--num_processes", "4"]
+    default = launch_command(2, ["train", "r.yaml"])
     assert "--config_file" not in default and default[default.index("--mixed_precision") + 1] == "no"
+
+
+@pytest.mark.parametrize("argv, forwarded", [
+    (["train", "r.yaml", "--num-processes", "2"], ["train", "r.yaml"]),
+    (["train", "r.yaml", "--num-processes=2", "--set", "seed=1"], ["train", "r.yaml", "--set", "seed=1"]),
+    (["train", "--accelerate-config", "ds.yaml", "r.yaml", "--num-processes", "4", "--overwrite"],
+     ["train", "r.yaml", "--overwrite"]),
+    (["--debug", "train", "r.yaml", "--accelerate-config=ds.yaml", "--resume", "latest", "--force"],
+     ["--debug", "train", "r.yaml", "--resume", "latest", "--force"]),
+    # A --set value that looks like a launcher option is the user's, as is everything after `--`.
+    (["train", "r.yaml", "--set", "name=--num-processes", "--num-processes", "2"],
+     ["train", "r.yaml", "--set", "name=--num-processes"]),
+    (["train", "r.yaml", "--num-processes", "2", "--", "--num-processes"], ["train", "r.yaml", "--", "--num-processes"]),
+])
+def test_the_launched_processes_get_the_command_line_less_the_launchers_options(argv, forwarded):
+    from ppo_cli.launch import forwarded_args
+
+    assert forwarded_args(argv) == forwarded
+
+
+def test_ppo_train_forwards_options_it_does_not_know_about(monkeypatch, tmp_path):
+    """`ppo train ... --num-processes 2` hands the launcher its command line as given: an option
+    added to `ppo train` later is forwarded without a change to the launcher."""
+    import ppo_cli.launch
+    from ppo_cli.cli import main
+
+    launched = {}
+
+    def fake_launch(num_processes, argv, config_file=None):
+        launched.update(num_processes=num_processes, command=ppo_cli.launch.launch_command(num_processes, ppo_cli.launch.forwarded_args(argv), config_file))
+        return 0
+
+    monkeypatch.setattr(ppo_cli.launch, "launch_train", fake_launch)
+    recipe = str(ROOT / "recipes" / "tiny_sentiment.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", recipe, "--set", "seed=3", "--num-processes", "2", "--merge", "--resume"])
+    assert exit_info.value.code == 0
+    command = launched["command"]
+    assert launched["num_processes"] == 2
+    # --resume without a value became --resume latest (cli._bare_resume), as a single process sees it
+    assert command[command.index("ppo_cli") + 1:] == ["train", recipe, "--set", "seed=3", "--merge", "--resume", "latest"]
+    # The same through Typer's CliRunner (which calls the app, not main()).
+    result = CliRunner().invoke(app, ["train", recipe, "--num-processes=2", "--overwrite", "--set", "seed=4"])
+    assert result.exit_code == 0, result.output
+    assert launched["command"][command.index("ppo_cli") + 1:] == ["train", recipe, "--overwrite", "--set", "seed=4"]
+
+
+def test_deepspeed_with_checkpoints_is_refused_before_launching(tmp_path):
+    result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--set", "train.save_every=5",
+                  "--accelerate-config", str(ROOT / "recipes" / "accelerate" / "deepspeed_zero2.yaml"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == ("error: train.save_every (5) is not supported with DeepSpeed: its optimizer "
+                                             "states are sharded across processes and a checkpoint would hold one shard")
+    assert result.stderr.splitlines()[1].startswith("hint: set --set train.save_every=0")
 
 
 def test_a_missing_accelerate_config_is_one_line():

@@ -218,3 +218,75 @@ def test_plan_command_on_the_tiny_recipe(tiny_models, tmp_path):
     assert resolved.exit_code == 0, resolved.output
     assert "policy.lora" in apply[0] and yaml.safe_load(resolved.stdout)["policy"]["lora"]["r"] == 16
     assert not any(tmp_path.iterdir())  # nothing loaded, nothing written
+
+
+# --- several processes: --num-processes N --sharding ----------------------------------------------
+
+
+def full_finetune(**changes) -> Settings:
+    return settings(lora=None, reference="copy", rewards=(("float32", "none", 32),), **changes)
+
+
+def test_zero2_splits_gradients_and_adamw_states_of_what_trains_only(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    one = parts(estimate(full_finetune(), shape, None, [reward]))
+    ddp = parts(estimate(full_finetune(processes=4), shape, None, [reward]))
+    assert ddp == one  # DDP: every process holds everything
+    z2 = parts(estimate(full_finetune(processes=4, sharding="zero2"), shape, None, [reward]))
+    assert z2["policy", "gradients"] == pytest.approx(TOTAL * 4 / 4)
+    assert z2["policy", "AdamW states"] == pytest.approx(2 * TOTAL * 4 / 4)
+    assert z2["value", "gradients + AdamW states"] == pytest.approx(17 * (4 + 2 * 4) / 4)  # the value head
+    assert z2["policy", "weights"] == z2["reference", "weights"] == pytest.approx(TOTAL * 4)  # whole
+    assert z2["reward", f"weights ({model_dir.name})"] == pytest.approx(reward.total_params * 4)
+    assert ("rollout", "policy gathered for generation") not in z2
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp"])
+def test_zero3_and_fsdp_also_split_the_policy_and_gather_it_to_generate(model_dir, sharding):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    est = estimate(full_finetune(processes=4, sharding=sharding), shape, None, [reward])
+    p = parts(est)
+    assert p["policy", "weights"] == pytest.approx(TOTAL * 4 / 4)
+    assert p["policy", "gradients"] == pytest.approx(TOTAL * 4 / 4)
+    assert p["value", "head"] == pytest.approx(17 * 4 / 4)
+    assert p["reference", "weights"] == pytest.approx(TOTAL * 4)  # frozen copy: whole on every process
+    # Sampling needs the whole policy: the other 3 processes' quarters are gathered.
+    assert p["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 4 * 3 / 4)
+    assert p["policy", "one layer gathered (update)"] == pytest.approx(TOTAL * 4 / 2)  # 2 layers
+    # 6352 x 4 B x (1/4 weights + 1/4 gradients + 2/4 AdamW) + head (17 x 4 + 17 x 12) / 4 + reference + reward
+    static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
+    assert static == pytest.approx(TOTAL * 4 * (1 + 1 + 2) / 4 + 17 * 16 / 4 + TOTAL * 4 + reward.total_params * 4
+                                   + RUNTIME_GB["cpu"] * GB)
+
+
+def test_a_quantized_policy_base_stays_whole_under_zero3(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    lora = LoraConfig(r=4, alpha=8)
+    p = parts(estimate(settings(lora=lora, quantization="4bit", processes=2, sharding="zero3"), shape, None, []))
+    assert p["policy", "weights"] == pytest.approx(shape.weight_bytes("float32", "4bit", 4.0))
+    assert p["policy", "LoRA adapter"] == pytest.approx(2048 * 4 / 2)
+    assert p["rollout", "policy gathered for generation"] == pytest.approx(2048 * 4 / 2)  # only the adapter's other half
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sharding", "zero2"], "error: --sharding zero2 splits memory across processes, and there is one"),
+    (["--num-processes", "0"], "error: --num-processes must be at least 1, got 0"),
+    (["--num-processes", "2", "--sharding", "zero4"], "error: unknown --sharding 'zero4'"),
+])
+def test_bad_plan_flags_are_one_line(flags, message):
+    result = CliRunner().invoke(app, ["plan", str(ROOT / "recipes" / "tiny_sentiment.yaml"), *flags])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[0] == message
+
+
+@pytest.mark.slow
+def test_plan_command_per_process(tiny_models, tmp_path):
+    args = ["plan", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--num-processes", "4", "--sharding", "zero3"]
+    for item in tiny_overrides(tiny_models, tmp_path, **{"policy.lora": "null", "value.kind": "head"}):
+        args += ["--set", item]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "memory plan (per process of 4, zero3, cpu" in result.output
+    assert "policy gathered for generation" in result.output

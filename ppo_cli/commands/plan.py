@@ -55,9 +55,29 @@ def prompt_tokens(recipe: Recipe, limit: int = 2000) -> tuple[int, str]:
         return maximum, "data.max_prompt_tokens (prompts not read)"
 
 
-def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None = None) -> PlanResult:
-    """The memory plan of ``recipe``; against ``gpu_memory_gb`` (else the local GPU's memory, if any)."""
+def check_sharding(processes: int, sharding: str) -> None:
+    """--num-processes / --sharding: one line naming the problem and the fix."""
+    from ppo_cli.errors import UsageError
+    from ppo_cli.memory import SHARDING
+
+    if processes < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {processes}", hint="give the number of GPUs, e.g. --num-processes 4")
+    if sharding not in SHARDING:
+        raise UsageError(f"unknown --sharding '{sharding}'", hint=f"use one of: {', '.join(SHARDING)}")
+    if sharding != "none" and processes == 1:
+        raise UsageError(f"--sharding {sharding} splits memory across processes, and there is one",
+                         hint=f"add --num-processes N (N > 1), e.g. --num-processes 4 --sharding {sharding}")
+
+
+def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None = None, processes: int = 1,
+        sharding: str = "none") -> PlanResult:
+    """The memory plan of ``recipe`` per process (of ``processes``, sharded as ``sharding`` says);
+    against ``gpu_memory_gb`` (else the local GPU's memory, if any)."""
+    import dataclasses
+
     import torch
+
+    check_sharding(processes, sharding)
 
     budget, source = gpu_memory_gb, "--gpu-memory" if gpu_memory_gb is not None else None
     if device is None:
@@ -66,7 +86,7 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     if budget is None and device == "cuda" and torch.cuda.is_available():
         budget, source = torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
     prompt_len, note = prompt_tokens(recipe)
-    settings = settings_from_recipe(recipe, device, prompt_len)
+    settings = dataclasses.replace(settings_from_recipe(recipe, device, prompt_len), processes=processes, sharding=sharding)
     shapes = model_shapes(recipe)
     result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note)
     if budget is not None and not result.fits:
@@ -86,7 +106,8 @@ def render(result: PlanResult):
     from rich.text import Text
 
     s, est = result.settings, result.estimate
-    table = Table(title=f"memory plan ({s.device}, policy {s.dtype}"
+    per_process = f"per process of {s.processes}, {'DDP' if s.sharding == 'none' else s.sharding}, " if s.processes > 1 else ""
+    table = Table(title=f"memory plan ({per_process}{s.device}, policy {s.dtype}"
                   f"{', ' + s.quantization if s.quantization != 'none' else ''}"
                   f"{', LoRA r=' + str(s.lora.r) if s.lora else ', full fine-tuning'}, value {s.value_kind})",
                   title_justify="left")

@@ -258,9 +258,12 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
                 due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
                 # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
                 # The last update is checkpointed too when due, so raising total_updates resumes after it.
-                if due and state.consecutive_skips == 0:
+                if due and state.consecutive_skips == 0 and not state.dist.uses_deepspeed:
                     save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
                 if stopping and not last:
+                    if state.dist.uses_deepspeed:
+                        raise Interrupted(f"interrupted after update {state.step}; no checkpoint (DeepSpeed)",
+                                          hint="checkpoints are not written under DeepSpeed; start the run again")
                     raise Interrupted(
                         f"interrupted after update {state.step}; checkpoint saved",
                         hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
@@ -270,6 +273,18 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
             if writer is not None:
                 writer.close()
     return observer
+
+
+def check_deepspeed_checkpoints(recipe: Recipe, uses_deepspeed: bool) -> None:
+    """Under DeepSpeed each process holds one shard of the optimizer states, and ppo_cli's checkpoints
+    save the main process's optimizer.state_dict(): resuming from one would be silently wrong."""
+    if uses_deepspeed and recipe.train.save_every:
+        raise UsageError(
+            f"train.save_every ({recipe.train.save_every}) is not supported with DeepSpeed: its optimizer "
+            "states are sharded across processes and a checkpoint would hold one shard",
+            hint="set --set train.save_every=0 (final/ is still saved), or train with DDP (no --accelerate-config) "
+                 "to keep resumable checkpoints",
+        )
 
 
 def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
@@ -390,6 +405,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.trainer import init_state
 
     dist = Distributed(recipe.train.device)
+    check_deepspeed_checkpoints(recipe, dist.uses_deepspeed)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -413,7 +429,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
-        with dist.full_parameters(state.model):  # the main process generates alone
+        with dist.full_parameters(state.model):  # every process gathers; the main one evaluates alone
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
@@ -425,7 +441,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         raise
 
     full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
-    with dist.full_parameters(state.model):
+    with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
         summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
