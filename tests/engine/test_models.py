@@ -78,7 +78,7 @@ def test_one_update_moves_both_adapters_and_head_but_not_the_base(make_engine):
 
 
 def test_full_finetune_trains_policy_and_value_model_and_keeps_reference_frozen(make_engine):
-    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto"})
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "model"})
     ac = engine.actor_critic
     assert ac.value_kind == "model" and ac.ref_model is not None and ac.value_backbone is not None
     ref_before, pol_before, val_before = _snapshot(ac.ref_model), _snapshot(ac.policy), _snapshot(ac.value_backbone)
@@ -224,7 +224,7 @@ def test_8bit_adamw_trains_a_full_finetune_and_its_state_reloads_safely(make_eng
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
-    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto", "optim.name": "adamw_8bit"})
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "model", "optim.name": "adamw_8bit"})
     state = init_state(engine, PROMPTS)
     optimizer = getattr(state.optimizer, "optimizer", state.optimizer)  # accelerate wraps it
     assert isinstance(optimizer, bnb.optim.AdamW8bit)
