@@ -55,7 +55,9 @@ def scalar_reward(path: Path, quantization: str = "none") -> str:
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_auto_is_the_frozen_reward_model_critic_with_a_reward_model_of_the_policys_kind(tmp_path, lora):
-    rm = model_dir(tmp_path, "rm", tokenizer={**TOKENIZER, "padding": {"direction": "Left"}})  # padding: not the vocabulary
+    # Padding settings and how a version of `tokenizers` writes merges or an unset field: not the vocabulary.
+    rm = model_dir(tmp_path, "rm", tokenizer={**TOKENIZER, "padding": {"direction": "Left"},
+                                              "model": {**TOKENIZER["model"], "merges": ["a b"], "end_of_word_suffix": ""}})
     r = recipe(tmp_path, scalar_reward(rm), lora=lora)
     assert value_settings(r) == ValueSettings("model", "reward", False, str(rm), "float32")
     assert r.value_kind == "model" and value_model_path(r) == str(rm)
@@ -69,8 +71,12 @@ def test_auto_is_the_value_head_without_a_reward_model(tmp_path, lora):
     assert value_settings(r) == ValueSettings("head", "policy", None, None, None)
 
 
-def test_auto_is_the_value_head_when_the_reward_model_reads_another_tokenizer(tmp_path):
-    other = {**TOKENIZER, "model": {**TOKENIZER["model"], "vocab": {"a": 0, "b": 2, "ab": 1}}}
+@pytest.mark.parametrize("other", [
+    {**TOKENIZER, "model": {**TOKENIZER["model"], "vocab": {"a": 0, "b": 2, "ab": 1}}},
+    {**TOKENIZER, "model": {**TOKENIZER["model"], "merges": []}},
+    {**TOKENIZER, "added_tokens": [{"id": 3, "content": "</s>", "special": True}]},
+], ids=["vocab", "merges", "added tokens"])
+def test_auto_is_the_value_head_when_the_reward_model_reads_another_tokenizer(tmp_path, other):
     assert recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=other))).value_kind == "head"
 
 

@@ -320,18 +320,27 @@ def _config_model_type(ref: str, revision: str | None = None) -> str | None:
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
 
 
+def _vocabulary(tokenizer_json: dict) -> tuple:
+    """What a tokenizer.json maps text to ids with: its vocabulary, merges and added tokens (not its
+    padding or truncation settings, nor fields that versions of `tokenizers` write differently, such
+    as a merge as "a b" or ["a", "b"], or an unset prefix as null or "")."""
+    model = tokenizer_json.get("model") or {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    added = sorted((t.get("id"), t.get("content")) for t in tokenizer_json.get("added_tokens") or [])
+    return model.get("type"), model.get("vocab"), merges, added
+
+
 def _same_tokenizer(ref_a: str, revision_a: str | None, ref_b: str) -> bool:
-    """Do two models tokenize alike? tokenizer.json's model and added tokens (not its padding or
-    truncation settings), else the vocabulary files; False when neither can be compared."""
+    """Do two models tokenize alike? tokenizer.json's vocabulary (``_vocabulary``), else the
+    vocabulary files byte for byte; False when neither can be compared."""
     import json
 
     a, b = _model_file(ref_a, "tokenizer.json", revision_a), _model_file(ref_b, "tokenizer.json")
     if a and b:
         try:
-            ja, jb = json.loads(a.read_text()), json.loads(b.read_text())
+            return _vocabulary(json.loads(a.read_text())) == _vocabulary(json.loads(b.read_text()))
         except (OSError, ValueError):
             return False
-        return (ja.get("model"), ja.get("added_tokens")) == (jb.get("model"), jb.get("added_tokens"))
     pairs = [(_model_file(ref_a, n, revision_a), _model_file(ref_b, n)) for n in TOKENIZER_FILES]
     pairs = [(x, y) for x, y in pairs if x or y]
     return bool(pairs) and all(x and y and x.read_bytes() == y.read_bytes() for x, y in pairs)
