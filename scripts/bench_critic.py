@@ -156,7 +156,7 @@ def cmd_timing(args) -> None:
     shape = "0.5b" if args.layers == 24 else shallow_models(args.layers)
     for round_ in range(args.rounds):
         for m, mode in enumerate(args.modes.split(",")):
-            kinds = list(KINDS[mode])
+            kinds = [k for k in KINDS[mode] if not args.kinds or f"{mode}:{k}" in args.kinds.split(",")]
             if (round_ + m) % 2:
                 kinds.reverse()
             for kind in kinds:
@@ -211,11 +211,14 @@ def cmd_report(args) -> None:
         latest["lora" if c["lora"] else "full", c["value_kind"], c["seed"]] = r
     timing: dict[tuple[str, str], list[dict]] = {}
     for r in bench._load(TIMING):
-        timing.setdefault(("lora" if r["cfg"]["lora"] else "full", r["cfg"]["value_kind"]), []).append(r)
-    print(f"target: {WINDOW}-update mean of objective/scores >= {args.target:+g}\n")
+        if r["cfg"]["shape"] == args.timing_shape and "cpu_seconds_per_update" in r:
+            timing.setdefault(("lora" if r["cfg"]["lora"] else "full", r["cfg"]["value_kind"]), []).append(r)
+    print(f"target: {WINDOW}-update mean of objective/scores >= {args.target:+g}; cost: CPU seconds per update "
+          f"(1 thread, median after the first update) at shape {args.timing_shape}\n")
     print("| mode | critic (bench name) | seeds | updates | reached | median updates-to-target | restricted mean "
-          "| s/update at 0.5B | wall-clock to target (median) | peak GB at 0.5B | score, all updates | last 5 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s/update | CPU time to target (median) | x best | peak GB | score, all updates | last 5 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for mode in ("lora", "full"):
         for kind in KINDS[mode]:
             runs = [r for k, r in sorted(latest.items()) if k[:2] == (mode, kind)]
@@ -226,24 +229,28 @@ def cmd_report(args) -> None:
             reached = sum(t is not None for t in times)
             rmean = statistics.fmean(t if t is not None else n for t in times)
             sel = timing.get((mode, kind), [])
+            spu = peak = cost = None
             if sel:
-                spu = statistics.median(s for r in sel for s in r["seconds_per_update"][1:] or r["seconds_per_update"])
+                spu = statistics.median(c for r in sel for c in r["cpu_seconds_per_update"][1:])
                 peak = statistics.median(r["peak_memory_gb"] for r in sel)
                 med = median_value(times)
-                wall = f"> {n * spu / 60:.1f} min" if med == float("inf") else f"{med * spu / 60:.1f} min"
-                spu_s, peak_s = f"{spu:.2f}", f"{peak:.2f}"
-            else:
-                spu_s = peak_s = wall = "-"
+                cost = None if med == float("inf") else med * spu
             all_ = statistics.fmean(statistics.fmean(r["scores"][:n]) for r in runs)
             last = statistics.fmean(statistics.fmean(r["scores"][n - 5:n]) for r in runs)
-            print(f"| {mode} | {kind} | {len(runs)} | {n} | {reached}/{len(runs)} | {censored_median(times, n)} | "
-                  f"{rmean:.1f} | {spu_s} | {wall} | {peak_s} | {all_:+.2f} | {last:+.2f} |")
+            rows.append((mode, kind, len(runs), n, reached, censored_median(times, n), rmean, spu, cost, peak, all_, last))
+    best = {mode: min((r[8] for r in rows if r[0] == mode and r[8] is not None), default=None) for mode in ("lora", "full")}
+    for mode, kind, seeds, n, reached, med, rmean, spu, cost, peak, all_, last in rows:
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        ratio = f"{cost / best[mode]:.2f}" if cost is not None and best[mode] else "-"
+        print(f"| {mode} | {kind} | {seeds} | {n} | {reached}/{seeds} | {med} | {rmean:.1f} | {fmt(spu, '.2f')} | "
+              f"{'-' if cost is None else f'{cost / 60:.1f} min'} | {ratio} | {fmt(peak, '.2f')} | {all_:+.2f} | {last:+.2f} |")
     if timing:
-        print("\n0.5B timing runs (s/update after 1 warm-up update; load average at start/end):\n")
+        print(f"\nTiming runs at {args.timing_shape} (per update: CPU s, wall s, 1-minute load average):\n")
         for (mode, kind), sel in timing.items():
             for r in sel:
-                print(f"- {r['time']} {mode} {kind}: {r['seconds_per_update']} peak {r['peak_memory_gb']:.2f} GB, "
-                      f"load {r.get('load_at_start')}/{r.get('load_at_end')}")
+                per = ", ".join(f"{c:.1f}/{w:.1f}/{ld:.1f}" for c, w, ld in
+                                zip(r["cpu_seconds_per_update"], r["seconds_per_update"], r["load_per_update"]))
+                print(f"- {r['time']} {mode} {kind}: {per}; peak {r['peak_memory_gb']:.2f} GB")
 
 
 def main(argv=None) -> int:
@@ -263,10 +270,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--layers", type=int, default=24, help="24: the 0.5B shape; fewer: its widths at that depth")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1: CPU time is load-independent)")
+    p.add_argument("--kinds", default=None, help="e.g. lora:head,full:model (default: every kind of every mode)")
     p = sub.add_parser("cputime")
     p.add_argument("share", help="a JSON [cfg, tag] written by timing")
     p = sub.add_parser("report")
     p.add_argument("--target", type=float, default=TARGET)
+    p.add_argument("--timing-shape", default="0.5b-6l", help="the shape whose timing runs price an update")
     args = ap.parse_args(argv)
     {"curves": cmd_curves, "worker": cmd_worker, "timing": cmd_timing, "cputime": cmd_cputime, "report": cmd_report}[args.command](args)
     return 0
