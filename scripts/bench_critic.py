@@ -2,9 +2,9 @@
 """Which critic reaches a target reward first in wall-clock: updates-to-target on the tiny task (many
 seeds) times seconds per update at the 0.5B shape, per ``value.kind``.
 
-    python scripts/bench_critic.py curves --seeds 0-19 --updates 20,30 --jobs 2   # tiny reward curves, LoRA and full
-    python scripts/bench_critic.py timing --updates 3                                        # 0.5B s/update, every kind
-    python scripts/bench_critic.py report [--target 5.0]                                     # the tables
+    python scripts/bench_critic.py curves --seeds 0-19 --updates 20,36 --jobs 3   # tiny reward curves, LoRA and full
+    python scripts/bench_critic.py timing --layers 6 --updates 3                  # CPU s/update per kind, 0.5B widths
+    python scripts/bench_critic.py report [--target 5.0]                           # the tables
 
 The target (defined before any run): the 3-update moving average of ``objective/scores`` (the reward
 model's score minus the missing-EOS penalty, before the KL penalty) reaches +5.0; the tiny task's
@@ -14,9 +14,10 @@ Every seed's censoring time is the same (the run length), so the Kaplan-Meier me
 median with censored seeds sorted last ("> N" when half or more are censored); the restricted mean
 counts a censored seed as N updates (a lower bound on its true mean).
 
-Runs go through scripts/bench_vs_trl.py (same recipe, same models and prompts); the curves use one
-torch thread per run and ``--jobs`` runs at once (curves are per-seed deterministic, machine speed
-does not change them). Never imported by ppo_cli or its tests.
+Runs use scripts/bench_vs_trl.py's recipe, models and prompts. The curves use one torch thread per
+run, in ``--jobs`` worker processes (curves are deterministic per seed; machine speed does not
+change them). The timing records CPU seconds per update on one thread, which a shared machine's
+load changes far less than wall-clock. Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import importlib.util
 import json
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,17 @@ def censored_median(times: list[int | None], length: int) -> str:
     n = len(ranked)
     mid = (ranked[(n - 1) // 2] + ranked[n // 2]) / 2
     return f"> {length}" if mid == float("inf") else f"{mid:g}"
+
+
+def bootstrap_ratio(times: list, cost: float, best_times: list, best_cost: float, draws: int = 2000) -> tuple[float, float]:
+    """95% interval of (median updates-to-target x cost) over the best kind's, resampling each kind's seeds."""
+    import random
+
+    rng = random.Random(0)
+    ratios = sorted(
+        median_value(rng.choices(times, k=len(times))) * cost / (median_value(rng.choices(best_times, k=len(best_times))) * best_cost)
+        for _ in range(draws))
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def median_value(times: list[int | None]) -> float:
@@ -216,7 +227,7 @@ def cmd_report(args) -> None:
     print(f"target: {WINDOW}-update mean of objective/scores >= {args.target:+g}; cost: CPU seconds per update "
           f"(1 thread, median after the first update) at shape {args.timing_shape}\n")
     print("| mode | critic (bench name) | seeds | updates | reached | median updates-to-target | restricted mean "
-          "| CPU s/update | CPU time to target (median) | x best | peak GB | score, all updates | last 5 |")
+          "| CPU s/update | CPU time to target (median) | x best (95% bootstrap) | peak GB | score, all updates | last 5 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for mode in ("lora", "full"):
@@ -237,11 +248,17 @@ def cmd_report(args) -> None:
                 cost = None if med == float("inf") else med * spu
             all_ = statistics.fmean(statistics.fmean(r["scores"][:n]) for r in runs)
             last = statistics.fmean(statistics.fmean(r["scores"][n - 5:n]) for r in runs)
-            rows.append((mode, kind, len(runs), n, reached, censored_median(times, n), rmean, spu, cost, peak, all_, last))
+            rows.append((mode, kind, len(runs), n, reached, censored_median(times, n), rmean, spu, cost, peak, all_, last,
+                         times))
     best = {mode: min((r[8] for r in rows if r[0] == mode and r[8] is not None), default=None) for mode in ("lora", "full")}
-    for mode, kind, seeds, n, reached, med, rmean, spu, cost, peak, all_, last in rows:
+    winner = {r[0]: r for r in rows if r[8] is not None and r[8] == best[r[0]]}
+    for mode, kind, seeds, n, reached, med, rmean, spu, cost, peak, all_, last, times in rows:
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         ratio = f"{cost / best[mode]:.2f}" if cost is not None and best[mode] else "-"
+        if cost is not None and winner.get(mode) and winner[mode][1] != kind:
+            w = winner[mode]
+            low, high = bootstrap_ratio(times, spu, w[12], w[7])
+            ratio += f" ({low:.2f}-{high:.2f})"
         print(f"| {mode} | {kind} | {seeds} | {n} | {reached}/{seeds} | {med} | {rmean:.1f} | {fmt(spu, '.2f')} | "
               f"{'-' if cost is None else f'{cost / 60:.1f} min'} | {ratio} | {fmt(peak, '.2f')} | {all_:+.2f} | {last:+.2f} |")
     if timing:
