@@ -414,12 +414,12 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
             return "bfloat16" if device == "cuda" else "float32"
         return name
 
-    from ppo_cli.engine.critics import value_model_path
+    from ppo_cli.engine.critics import value_model_path, value_settings
 
-    pol = recipe.policy
+    pol, value = recipe.policy, value_settings(recipe)
     policy_dtype = dtype(pol.dtype, "float32")
-    value_dtype = dtype(recipe.value.dtype, policy_dtype)
-    frozen = recipe.value_kind == "model" and recipe.value.train_backbone is False
+    value_dtype = dtype(value.dtype, policy_dtype)
+    frozen = value.kind == "model" and value.train_backbone is False
     rewards = tuple(
         (dtype(c.dtype, "float32"), c.quantization, c.batch_size)
         for c in recipe.reward.components if c.loads_model

@@ -86,7 +86,10 @@ class ValueConfig(Section):
     kind: Literal[("auto", *CRITIC_KINDS)] = Field(  # type: ignore[valid-type]
         "auto",
         description="; ".join(f"{name}: {cls.description}" for name, cls in CRITICS.items())
-        + ". auto: adapter with LoRA, model without (and always model with init_from: reward).",
+        + ". auto (chosen by wall-clock to a target reward, docs/benchmarks.md): the frozen reward-model critic "
+        "(model, init_from: reward, train_backbone: false) when the reward has a scalar `type: model` component of the "
+        "policy's architecture and tokenizer, else head, with LoRA and without; model with value.path or "
+        "init_from: reward; adapter with value.lora.",
     )
     init_from: Literal["policy", "reward"] = Field(
         "policy", description="Initialise a separate value model from the policy or the reward model (InstructGPT)."

@@ -22,7 +22,7 @@ from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
-SUMMARY = "valid: run directory runs/minimal; num_mini_batches=2, grad_accum_steps=2, value kind=adapter"
+SUMMARY = "valid: run directory runs/minimal; num_mini_batches=2, grad_accum_steps=2, value kind=head"
 
 runner = CliRunner()
 
@@ -101,7 +101,7 @@ def test_validate_applies_set_overrides():
     resolved = yaml.safe_load(result.stdout)
     assert resolved["ppo"]["kl_coef"] == 0.2
     assert resolved["policy"]["lora"] is None
-    assert "value kind=model" in result.stderr
+    assert "value kind=head" in result.stderr
 
 
 def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from tests.conftest import ROOT, tiny_overrides
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]
 SMALL = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
          "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8}
-FULL_FINETUNE = {"policy.lora": "null", "value.kind": "auto"}
+FULL_FINETUNE = {"policy.lora": "null", "value.kind": "model"}
 BEFORE = {"score": -5.83, "eos_rate": 0.19, "response_length": 21.6, "kl": 0.0}
 AFTER = {"score": 9.35, "eos_rate": 1.0, "response_length": 5.0, "kl": 7.17}
 

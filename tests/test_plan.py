@@ -204,7 +204,7 @@ def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):
 @pytest.mark.slow
 def test_plan_command_on_the_tiny_recipe(tiny_models, tmp_path):
     args = ["plan", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--gpu-memory", "0.1"]
-    for item in tiny_overrides(tiny_models, tmp_path, **{"policy.lora": "null", "value.kind": "auto"}):
+    for item in tiny_overrides(tiny_models, tmp_path, **{"policy.lora": "null", "value.kind": "model"}):
         args += ["--set", item]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_DOES_NOT_FIT, result.output

@@ -69,7 +69,7 @@ def test_load_recipe_base_is_valid(tmp_path):
     assert recipe.name == "demo"
     assert recipe.ppo.num_mini_batches == 2
     assert recipe.ppo.grad_accum_steps == 2
-    assert recipe.value_kind == "adapter"
+    assert recipe.value_kind == "head"  # auto, no reward model to start a critic from
     assert recipe.run_dir == Path("runs") / "demo"
 
 
@@ -331,7 +331,7 @@ def test_set_values_are_typed_by_the_schema(tmp_path):
 def test_set_null_removes_a_section(tmp_path):
     recipe = load_recipe(write(tmp_path, BASE), ["policy.lora=null"])
     assert recipe.policy.lora is None
-    assert recipe.value_kind == "model"
+    assert recipe.value_kind == "head"
 
 
 def test_set_a_string_field_keeps_the_text(tmp_path):

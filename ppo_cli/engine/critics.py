@@ -178,7 +178,7 @@ class ModelCritic(Critic):
 
         from ppo_cli.engine.models import freeze, is_quantized, load_causal_lm, load_pretrained, resolve_dtype
 
-        pol, value = recipe.policy, recipe.value
+        pol, value = recipe.policy, value_settings(recipe)
         path = value_model_path(recipe)
         dtype = resolve_dtype(value.dtype or pol.dtype, device)
         frozen = value.train_backbone is False  # a head on frozen features (None: trained, the default)
@@ -245,19 +245,118 @@ CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, Hea
 CRITIC_KINDS = tuple(CRITICS)
 
 
+class ValueSettings(NamedTuple):
+    """``value.*`` as the run uses it: 'auto' made concrete (value_settings)."""
+
+    kind: str
+    init_from: str
+    train_backbone: bool | None
+    path: str | None
+    dtype: str | None
+
+
+def value_settings(recipe: Recipe) -> ValueSettings:
+    """The critic 'auto' stands for, chosen by wall-clock to a target reward (docs/benchmarks.md,
+    "Choosing the default critic"): the frozen reward-model critic (kind model on the reward model,
+    init_from reward, train_backbone false: it starts as the reward model and trains only its head)
+    when a scalar reward model can serve as one (``frozen_critic_reward``); otherwise the value head,
+    with LoRA and without. A separate model when the recipe names one (value.path, init_from reward),
+    the adapter when it gives the adapter's settings (value.lora). A concrete kind is kept as written."""
+    v = recipe.value
+    as_written = ValueSettings(v.kind, v.init_from, v.train_backbone, v.path, v.dtype)
+    if v.kind != "auto":
+        return as_written
+    if v.path is not None or v.init_from == "reward":
+        return as_written._replace(kind="model")
+    if v.lora is not None and recipe.policy.lora is not None:
+        return as_written._replace(kind="adapter")
+    if v.train_backbone is not True and (reward := frozen_critic_reward(recipe)) is not None:
+        return ValueSettings("model", "reward", False, reward.path, v.dtype or reward.dtype)
+    return as_written._replace(kind="head")
+
+
 def resolve_kind(recipe: Recipe) -> str:
-    """``value.kind`` with 'auto' resolved: a second adapter with LoRA (unless the critic starts from
-    the reward model, which needs a model of its own), a separate model otherwise."""
-    if recipe.value.kind != "auto":
-        return recipe.value.kind
-    return "adapter" if recipe.policy.lora is not None and recipe.value.init_from == "policy" else "model"
+    """``value.kind`` with 'auto' resolved (value_settings)."""
+    return value_settings(recipe).kind
+
+
+def frozen_critic_reward(recipe: Recipe):
+    """The first ``type: model`` reward component (a scalar reward model, so the value head starts as
+    its score head) that can be a frozen critic: unquantized (its weights are shared), of the policy's
+    architecture (config.json model_type: a causal decoder like the policy, whose hidden state at a
+    position sees only the tokens before it) and on the policy's tokenizer (it reads the policy's
+    token ids). Read from the models' files, without loading them; None when no component qualifies or
+    a file cannot be read (then 'auto' does not guess)."""
+    policy = recipe.policy
+    for component in recipe.reward.components:
+        if component.type != "model" or component.quantization != "none":
+            continue
+        policy_type = _config_model_type(policy.path, policy.revision)
+        if policy_type is not None and _config_model_type(component.path) == policy_type \
+                and _same_tokenizer(policy.path, policy.revision, component.path):
+            return component
+    return None
+
+
+def _model_file(ref: str, name: str, revision: str | None = None) -> Path | None:
+    """A model's file from a local directory or the hub cache (never the network)."""
+    directory = Path(ref).expanduser()
+    if directory.is_dir():
+        return directory / name if (directory / name).is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(ref, name, revision=revision)
+    except Exception:  # not a repo id either: nothing to read
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _config_model_type(ref: str, revision: str | None = None) -> str | None:
+    import json
+
+    path = _model_file(ref, "config.json", revision)
+    try:
+        return json.loads(path.read_text()).get("model_type") if path else None
+    except (OSError, ValueError):
+        return None
+
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def _vocabulary(tokenizer_json: dict) -> tuple:
+    """What a tokenizer.json maps text to ids with: its vocabulary, merges and added tokens (not its
+    padding or truncation settings, nor fields that versions of `tokenizers` write differently, such
+    as a merge as "a b" or ["a", "b"], or an unset prefix as null or "")."""
+    model = tokenizer_json.get("model") or {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    added = sorted((t.get("id"), t.get("content")) for t in tokenizer_json.get("added_tokens") or [])
+    return model.get("type"), model.get("vocab"), merges, added
+
+
+def _same_tokenizer(ref_a: str, revision_a: str | None, ref_b: str) -> bool:
+    """Do two models tokenize alike? tokenizer.json's vocabulary (``_vocabulary``), else the
+    vocabulary files byte for byte; False when neither can be compared."""
+    import json
+
+    a, b = _model_file(ref_a, "tokenizer.json", revision_a), _model_file(ref_b, "tokenizer.json")
+    if a and b:
+        try:
+            return _vocabulary(json.loads(a.read_text())) == _vocabulary(json.loads(b.read_text()))
+        except (OSError, ValueError):
+            return False
+    pairs = [(_model_file(ref_a, n, revision_a), _model_file(ref_b, n)) for n in TOKENIZER_FILES]
+    pairs = [(x, y) for x, y in pairs if x or y]
+    return bool(pairs) and all(x and y and x.read_bytes() == y.read_bytes() for x, y in pairs)
 
 
 def value_model_path(recipe: Recipe) -> str:
     """The separate value model's checkpoint (kind model): value.path, the reward model, or the policy."""
-    if recipe.value.path is not None:
-        return recipe.value.path
-    if recipe.value.init_from == "policy":
+    settings = value_settings(recipe)
+    if settings.path is not None:
+        return settings.path
+    if settings.init_from == "policy":
         return recipe.policy.path
     from ppo_cli.engine.rewards import first_reward_model_path
 

@@ -228,12 +228,12 @@ def assert_first_update_is_sound(metrics: dict, before: dict, engine: Engine) ->
 
 def test_first_update_with_the_default_critic_has_ratio_one(trained):
     engine, metrics, before = trained
-    assert engine.actor_critic.value_kind == "adapter"
+    assert engine.actor_critic.value_kind == "head"  # auto, with no reward model to start a critic from
     assert_first_update_is_sound(metrics, before, engine)
 
 
-def test_first_update_with_a_value_head_has_ratio_one(architecture_models, family, tmp_path):
-    engine = make_engine(architecture_models, family, tmp_path, value_kind="head")
+def test_first_update_with_the_adapter_critic_has_ratio_one(architecture_models, family, tmp_path):
+    engine = make_engine(architecture_models, family, tmp_path, value_kind="adapter")
     before = policy_adapter_weights(engine)
     metrics, _ = train_step(init_state(engine, PROMPTS))
     assert_first_update_is_sound(metrics, before, engine)

@@ -1,6 +1,8 @@
 """The four roles on the tiny models: reference by adapter switching, critics, QLoRA, weights that move."""
 
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ def test_one_update_moves_both_adapters_and_head_but_not_the_base(make_engine):
 
 
 def test_full_finetune_trains_policy_and_value_model_and_keeps_reference_frozen(make_engine):
-    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto"})
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "model"})
     ac = engine.actor_critic
     assert ac.value_kind == "model" and ac.ref_model is not None and ac.value_backbone is not None
     ref_before, pol_before, val_before = _snapshot(ac.ref_model), _snapshot(ac.policy), _snapshot(ac.value_backbone)
@@ -224,7 +226,7 @@ def test_8bit_adamw_trains_a_full_finetune_and_its_state_reloads_safely(make_eng
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
-    engine = make_engine(**{"policy.lora": "null", "value.kind": "auto", "optim.name": "adamw_8bit"})
+    engine = make_engine(**{"policy.lora": "null", "value.kind": "model", "optim.name": "adamw_8bit"})
     state = init_state(engine, PROMPTS)
     optimizer = getattr(state.optimizer, "optimizer", state.optimizer)  # accelerate wraps it
     assert isinstance(optimizer, bnb.optim.AdamW8bit)
@@ -238,3 +240,35 @@ def test_8bit_adamw_trains_a_full_finetune_and_its_state_reloads_safely(make_eng
     optimizer.state.clear()
     optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))  # as checkpoints load
     assert torch.equal(optimizer.state[big]["state1"], moment)
+
+
+def _scalar_reward_model(tiny_models: Path, out: Path) -> Path:
+    """The tiny sentiment classifier as a 1-output reward model (score = positive - negative logit)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    cls = AutoModelForSequenceClassification.from_pretrained(tiny_models / "reward", dtype=torch.float32)
+    weight = cls.score.weight.detach()
+    config = cls.config
+    config.num_labels, config.id2label, config.label2id = 1, {0: "score"}, {"score": 0}
+    config.problem_type = "regression"
+    scalar = AutoModelForSequenceClassification.from_config(config)
+    state = cls.state_dict()
+    state["score.weight"] = (weight[2] - weight[0]).unsqueeze(0)  # labels: negative, neutral, positive
+    scalar.load_state_dict(state)
+    scalar.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_models / "reward").save_pretrained(out)
+    return out
+
+
+def test_auto_critic_with_a_scalar_reward_model_of_the_policys_kind_is_the_frozen_reward_model(
+        make_engine, tiny_models, tmp_path):
+    """value.kind auto, a `type: model` reward on the policy's architecture and tokenizer: the critic
+    is the reward model itself (shared, frozen), its head starts as the reward model's score head,
+    and only that head trains."""
+    rm = _scalar_reward_model(tiny_models, tmp_path / "rm")
+    engine = make_engine(**{"value.kind": "auto", "reward.components": f"[{{type: model, path: '{rm}'}}]"})
+    ac = engine.actor_critic
+    reward_model = engine.reward.scorers[0][2].model
+    assert ac.value_kind == "model" and ac.value_backbone is reward_model.base_model
+    assert torch.equal(ac.value_head.weight, reward_model.score.weight)
+    assert ac.value_parameters() == list(ac.value_head.parameters())

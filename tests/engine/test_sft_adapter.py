@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["I think the book was", "The movie was", "Overall, the product is", "This phone is"]
 SMALL = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
          "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8}
-FULL_FINETUNE = {"policy.lora": "null", "value.kind": "auto"}
+FULL_FINETUNE = {"policy.lora": "null", "value.kind": "model"}
 
 
 def _recipe(tiny_models, tmp_path, adapter, **extra):

@@ -1,0 +1,120 @@
+"""value.kind auto: the critic it stands for, read from the recipe and the models' files (no model loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ppo_cli.engine.critics import ValueSettings, value_model_path, value_settings
+from ppo_cli.memory import settings_from_recipe
+from ppo_cli.recipe_loading import load_recipe
+
+TOKENIZER = {"version": "1.0", "truncation": None, "padding": None,
+             "added_tokens": [{"id": 3, "content": "<eos>", "special": True}],
+             "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}}
+
+RECIPE = """\
+name: auto
+policy:
+  path: {policy}
+  lora: {lora}
+reward:
+  components:
+    - type: function
+      function: rewards.py:length_reward
+{reward}
+data:
+  prompts: prompts.txt
+train:
+  total_updates: 2
+"""
+
+
+def model_dir(root: Path, name: str, model_type: str = "qwen2", tokenizer: dict | None = None) -> Path:
+    path = root / name
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if tokenizer is not None:
+        (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return path
+
+
+def recipe(tmp_path: Path, reward: str = "", lora: bool = True, overrides: tuple[str, ...] = ()):
+    policy = model_dir(tmp_path, "policy", tokenizer=TOKENIZER)
+    text = RECIPE.format(policy=policy, lora="{r: 4}" if lora else "null", reward=reward)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return load_recipe(path, list(overrides))
+
+
+def scalar_reward(path: Path, quantization: str = "none") -> str:
+    return f"    - type: model\n      path: {path}\n      quantization: {quantization}"
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_auto_is_the_frozen_reward_model_critic_with_a_reward_model_of_the_policys_kind(tmp_path, lora):
+    # Padding settings and how a version of `tokenizers` writes merges or an unset field: not the vocabulary.
+    rm = model_dir(tmp_path, "rm", tokenizer={**TOKENIZER, "padding": {"direction": "Left"},
+                                              "model": {**TOKENIZER["model"], "merges": ["a b"], "end_of_word_suffix": ""}})
+    r = recipe(tmp_path, scalar_reward(rm), lora=lora)
+    assert value_settings(r) == ValueSettings("model", "reward", False, str(rm), "float32")
+    assert r.value_kind == "model" and value_model_path(r) == str(rm)
+    s = settings_from_recipe(r, "cpu", prompt_len=16)
+    assert (s.value_kind, s.value_frozen, s.value_shared) == ("model", True, True)  # `ppo plan`: no second copy
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_auto_is_the_value_head_without_a_reward_model(tmp_path, lora):
+    r = recipe(tmp_path, lora=lora)
+    assert value_settings(r) == ValueSettings("head", "policy", None, None, None)
+
+
+@pytest.mark.parametrize("other", [
+    {**TOKENIZER, "model": {**TOKENIZER["model"], "vocab": {"a": 0, "b": 2, "ab": 1}}},
+    {**TOKENIZER, "model": {**TOKENIZER["model"], "merges": []}},
+    {**TOKENIZER, "added_tokens": [{"id": 3, "content": "</s>", "special": True}]},
+], ids=["vocab", "merges", "added tokens"])
+def test_auto_is_the_value_head_when_the_reward_model_reads_another_tokenizer(tmp_path, other):
+    assert recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=other))).value_kind == "head"
+
+
+def test_auto_is_the_value_head_when_the_reward_model_is_another_architecture(tmp_path):
+    rm = model_dir(tmp_path, "rm", model_type="bert", tokenizer=TOKENIZER)  # e.g. a bidirectional encoder
+    assert recipe(tmp_path, scalar_reward(rm)).value_kind == "head"
+
+
+def test_auto_is_the_value_head_when_the_reward_model_has_no_tokenizer_file(tmp_path):
+    assert recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=None))).value_kind == "head"
+
+
+def test_auto_is_the_value_head_when_the_reward_model_is_not_on_this_machine(tmp_path):
+    assert recipe(tmp_path, scalar_reward(tmp_path / "missing")).value_kind == "head"
+
+
+def test_auto_is_the_value_head_with_a_quantized_reward_model(tmp_path):
+    rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
+    assert recipe(tmp_path, scalar_reward(rm, "4bit")).value_kind == "head"  # its weights could not be shared
+
+
+def test_auto_with_a_classifier_reward_is_the_value_head(tmp_path):
+    rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
+    reward = f"    - type: classifier\n      path: {rm}\n      labels: {{positive: 1.0}}"
+    assert recipe(tmp_path, reward).value_kind == "head"  # no scalar score head to start from
+
+
+def test_auto_follows_what_the_recipe_names(tmp_path):
+    rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
+    assert value_settings(recipe(tmp_path, scalar_reward(rm), overrides=("value.lora={r: 8}",))).kind == "adapter"
+    named = recipe(tmp_path, scalar_reward(rm), overrides=("value.path=other",))
+    assert value_settings(named) == ValueSettings("model", "policy", None, "other", None)
+    trained = recipe(tmp_path, scalar_reward(rm), overrides=("value.init_from=reward",))
+    assert value_settings(trained) == ValueSettings("model", "reward", None, None, None)  # TRL's critic, trained
+    assert value_settings(recipe(tmp_path, scalar_reward(rm), overrides=("value.train_backbone=true",))).kind == "head"
+
+
+def test_a_concrete_kind_is_kept(tmp_path):
+    rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
+    for kind in ("adapter", "head", "model"):
+        assert recipe(tmp_path, scalar_reward(rm), overrides=(f"value.kind={kind}",)).value_kind == kind
