@@ -12,12 +12,32 @@ import torch
 
 
 class Distributed:
-    def __init__(self, device_name: str = "auto"):
+    def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
+                 weights_dtype: torch.dtype = torch.float32):
+        """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
+        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast)."""
         from accelerate import Accelerator
+
+        from ppo_cli.engine.precision import check_mixed_precision, launcher_mixed_precision, resolve_mixed_precision
 
         # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
         cpu = device_name == "cpu" or not torch.cuda.is_available()
-        self.accelerator = Accelerator(cpu=cpu)
+        device = torch.device("cpu" if cpu else "cuda")
+        precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision())
+        check_mixed_precision(precision, device)
+        forget_other_precision(precision)
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=precision)
+        # Kept here: accelerator.mixed_precision reads the process-wide state, which a later
+        # Accelerator in this process may change (forget_other_precision). DeepSpeed: its config's.
+        self.mixed_precision = self.accelerator.mixed_precision
+
+    @classmethod
+    def for_recipe(cls, recipe) -> "Distributed":
+        """The run's processes and precision as ``recipe`` (train.device, train.mixed_precision) asks."""
+        from ppo_cli.engine.models import resolve_device, resolve_dtype
+
+        weights_dtype = resolve_dtype(recipe.policy.dtype, resolve_device(recipe.train.device))
+        return cls(recipe.train.device, recipe.train.mixed_precision, weights_dtype)
 
     @property
     def rank(self) -> int:
@@ -69,3 +89,19 @@ class Distributed:
         from accelerate.utils import gather_object
 
         return gather_object([obj])
+
+
+def forget_other_precision(mixed_precision: str) -> None:
+    """Let a new Accelerator take ``mixed_precision`` although an earlier one in this process chose another.
+
+    accelerate keeps its settings in a process-wide singleton (AcceleratorState) and refuses a second
+    Accelerator with another precision. Each run of ours builds its own Accelerator, and the tests,
+    benchmarks and notebooks run several in one process. Clearing only AcceleratorState keeps the
+    process state (PartialState: ranks, process group); models prepared earlier keep the autocast
+    they were prepared with (accelerate builds it at prepare time).
+    """
+    from accelerate.state import AcceleratorState
+
+    current = AcceleratorState._shared_state.get("_mixed_precision")
+    if current is not None and current != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)

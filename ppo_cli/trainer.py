@@ -291,7 +291,10 @@ class TrainState:
 
 def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
     recipe = engine.recipe
-    dist = dist or Distributed(recipe.train.device)
+    dist = dist or Distributed(recipe.train.device, engine.mixed_precision)
+    if dist.mixed_precision != engine.mixed_precision:
+        raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
+                         f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
     model, optimizer = dist.accelerator.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
         recipe=recipe,
