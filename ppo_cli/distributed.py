@@ -8,7 +8,11 @@ writes files. With one process every collective is the identity, so single-proce
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ppo_cli.launch import RECIPE_DECIDES
 
 
 class Distributed:
@@ -18,7 +22,7 @@ class Distributed:
         ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast)."""
         from accelerate import Accelerator
 
-        from ppo_cli.engine.precision import check_mixed_precision, launcher_mixed_precision, resolve_mixed_precision
+        from ppo_cli.engine.precision import check_mixed_precision, resolve_mixed_precision
 
         # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
         cpu = device_name == "cpu" or not torch.cuda.is_available()
@@ -105,3 +109,14 @@ def forget_other_precision(mixed_precision: str) -> None:
     current = AcceleratorState._shared_state.get("_mixed_precision")
     if current is not None and current != mixed_precision:
         AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def launcher_mixed_precision() -> str | None:
+    """The precision an accelerate launcher set for this process (`accelerate launch --mixed_precision`,
+    or the config of `ppo train --accelerate-config FILE`), or None when nobody launched it so. Our own
+    `ppo train --num-processes N` leaves the choice to the recipe (launch.py sets RECIPE_DECIDES)."""
+    if os.environ.get(RECIPE_DECIDES):
+        return None
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    return value.lower() if value else None
+

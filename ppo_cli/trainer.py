@@ -197,6 +197,10 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             grad_norm = torch.zeros(()) if grad_norm is None else grad_norm
             if not torch.isfinite(grad_norm):
                 stats.skipped_steps += 1
+                if accelerator.scaler is not None:
+                    # fp16: the loss scale overflowed; the scaler's step skips the update and lowers
+                    # the scale (without it the scale would stay too high and every step would skip).
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 continue
             stats.grad_norms.append(float(grad_norm))

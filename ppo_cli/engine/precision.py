@@ -10,7 +10,6 @@ so the first PPO ratio stays 1.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -25,19 +24,6 @@ def cpu_has_native_bf16() -> bool:
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
-def launcher_mixed_precision() -> str | None:
-    """The precision an accelerate launcher set for this process (`accelerate launch --mixed_precision`,
-    or the config of `ppo train --accelerate-config FILE`), or None when nobody launched it so. Our own
-    `ppo train --num-processes N` leaves the choice to the recipe (launch.py sets RECIPE_DECIDES)."""
-    if os.environ.get(RECIPE_DECIDES):
-        return None
-    value = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    return value.lower() if value else None
-
-
-RECIPE_DECIDES = "PPO_CLI_PRECISION_FROM_RECIPE"
 
 
 def resolve_mixed_precision(setting: str, device: torch.device, weights_dtype: torch.dtype,
@@ -87,9 +73,9 @@ def full_precision(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def recipe_mixed_precision(recipe, device: torch.device) -> str:
+def recipe_mixed_precision(recipe, device: torch.device, launcher: str | None = None) -> str:
     """train.mixed_precision of ``recipe`` resolved for ``device`` ('auto' made concrete)."""
     from ppo_cli.engine.models import resolve_dtype
 
     weights_dtype = resolve_dtype(recipe.policy.dtype, device)
-    return resolve_mixed_precision(recipe.train.mixed_precision, device, weights_dtype, launcher_mixed_precision())
+    return resolve_mixed_precision(recipe.train.mixed_precision, device, weights_dtype, launcher)

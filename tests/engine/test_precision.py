@@ -4,14 +4,10 @@ import pytest
 import torch
 
 from ppo_cli.engine import precision
-from ppo_cli.engine.precision import (
-    RECIPE_DECIDES,
-    autocast_context,
-    check_mixed_precision,
-    launcher_mixed_precision,
-    resolve_mixed_precision,
-)
+from ppo_cli.distributed import launcher_mixed_precision
+from ppo_cli.engine.precision import autocast_context, check_mixed_precision, resolve_mixed_precision
 from ppo_cli.errors import UsageError
+from ppo_cli.launch import RECIPE_DECIDES, launch_train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -122,3 +118,14 @@ def test_distributed_refuses_fp16_on_cpu():
 
     with pytest.raises(UsageError, match="needs a GPU"):
         Distributed("cpu", "fp16")
+
+
+def test_our_launcher_lets_the_recipe_decide_and_a_users_config_does_not(monkeypatch, tmp_path):
+    import subprocess
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: seen.append(env) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setenv(RECIPE_DECIDES, "1")  # left over from an outer launch: not inherited blindly
+    launch_train(2, ["r.yaml"])
+    launch_train(2, ["r.yaml"], tmp_path / "accelerate.yaml")
+    assert [env.get(RECIPE_DECIDES) for env in seen] == ["1", None]
