@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """fp32 against bf16 autocast (train.mixed_precision): seconds per PPO update, in one process.
 
-    python scripts/bench_precision.py [--models .cache/bench/0.5b] [--repeats 3] [--full]
+    python scripts/bench_precision.py speed [--models .cache/bench/0.5b] [--repeats 3] [--full]
+    python scripts/bench_precision.py curves [--tiny-models models/tiny] [--seeds 0 1 2 3 4] [--last 10]
 
 One engine (float32 weights) and two training states over it, one prepared by an Accelerator with
 mixed_precision 'no', one with 'bf16'; their updates (generation + rollout forwards + reward + 4 PPO
@@ -11,7 +12,13 @@ precision, their fp32 / bf16 ratios, and each precision's val/ratio_first_miniba
 train the same weights, so the rounds see nearly the same policy.
 
 The models are the 0.5B shape of `python scripts/bench_vs_trl.py models` (Qwen2-0.5B layout, random
-weights: the timing depends on the shape only). Never imported by ppo_cli or its tests.
+weights: the timing depends on the shape only).
+
+``curves``: the tiny task (recipes/tiny_sentiment.yaml as shipped, models from scripts/make_tiny_models.py)
+trained with train.mixed_precision no and bf16 for each seed, one `ppo train` process per run; prints
+the mean reward (objective/scores) over the whole run and over the last updates, and the held-out
+score after training, each as the mean over seeds +- its standard error. Curves are deterministic
+per seed (CPU load changes the time only). Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
@@ -47,17 +54,7 @@ def recipe_for(models: Path, args):
     })
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", type=Path, default=ROOT / ".cache" / "bench" / "0.5b")
-    ap.add_argument("--prompts", type=Path, default=ROOT / ".cache" / "bench" / "prompts.txt")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
-    args = ap.parse_args()
-
+def speed(args) -> None:
     import torch
 
     from ppo_cli.distributed import Distributed
@@ -98,6 +95,87 @@ def main() -> None:
     for precision in PRECISIONS:
         ratios = ", ".join(f"{r:.4f}" for r in first_ratio[precision])
         print(f"val/ratio_first_minibatch {precision}: {ratios}")
+
+
+def run_tiny(models: Path, out: Path, seed: int, precision: str) -> tuple[list[dict], dict]:
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
+    for component in recipe["reward"]["components"]:
+        if component["type"] == "classifier":
+            component["path"] = str(models / "reward")
+        else:
+            component["function"] = str(ROOT / component["function"])
+    recipe["policy"]["path"] = str(models / "policy")
+    recipe["data"]["prompts"] = str(ROOT / recipe["data"]["prompts"])
+    recipe["data"]["eval_prompts"] = str(ROOT / recipe["data"]["eval_prompts"])
+    recipe.update(name=f"tiny-s{seed}-{precision}", seed=seed, output_dir=str(out))
+    recipe["train"].update(mixed_precision=precision, sample_every=0)
+    path = out / f"{recipe['name']}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    subprocess.run([sys.executable, "-m", "ppo_cli", "train", str(path), "--overwrite"], check=True,
+                   stdout=subprocess.DEVNULL)
+    run = out / recipe["name"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics, json.loads((run / "summary.json").read_text())
+
+
+def mean_and_stderr(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    stderr = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    return f"{mean:.2f} +- {stderr:.2f}"
+
+
+def curves(args) -> None:
+    out = ROOT / ".cache" / "bench" / "precision-curves"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {p: {"run": [], "last": [], "after": [], "ratio": [], "seconds": []} for p in PRECISIONS}
+    for i, seed in enumerate(args.seeds):
+        for precision in PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]:
+            metrics, summary = run_tiny(args.tiny_models, out, seed, precision)
+            assert summary["mixed_precision"] == precision, summary["mixed_precision"]
+            scores = [m["objective/scores"] for m in metrics]
+            row = rows[precision]
+            row["run"].append(statistics.fmean(scores))
+            row["last"].append(statistics.fmean(scores[-args.last:]))
+            row["after"].append(summary["after"]["score"])
+            row["ratio"].append(max(abs(m["val/ratio_first_minibatch"] - 1) for m in metrics if "val/ratio_first_minibatch" in m))
+            row["seconds"].append(summary["seconds"])
+            print(f"seed {seed} {precision}: mean score {row['run'][-1]:.2f}, last {args.last} "
+                  f"{row['last'][-1]:.2f}, held-out after {row['after'][-1]:.2f}, "
+                  f"max |first ratio - 1| {row['ratio'][-1]:.1e}", flush=True)
+    print(f"\ntiny_sentiment.yaml, seeds {' '.join(map(str, args.seeds))}: mean over seeds +- standard error")
+    print(f"| precision | score, whole run | score, last {args.last} updates | held-out score after | "
+          "max abs(first ratio - 1) |")
+    print("|---|---|---|---|---|")
+    for precision in PRECISIONS:
+        row = rows[precision]
+        name = "fp32 (no)" if precision == "no" else "bf16 autocast"
+        print(f"| {name} | {mean_and_stderr(row['run'])} | {mean_and_stderr(row['last'])} | "
+              f"{mean_and_stderr(row['after'])} | {max(row['ratio']):.1e} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("speed", help="seconds per PPO update at the 0.5B shape, fp32 vs bf16 autocast")
+    sp.add_argument("--models", type=Path, default=ROOT / ".cache" / "bench" / "0.5b")
+    sp.add_argument("--prompts", type=Path, default=ROOT / ".cache" / "bench" / "prompts.txt")
+    sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--batch", type=int, default=8)
+    sp.add_argument("--tokens", type=int, default=24)
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    cp = sub.add_parser("curves", help="the tiny task's reward, fp32 vs bf16 autocast, over seeds")
+    cp.add_argument("--tiny-models", type=Path, default=ROOT / "models" / "tiny")
+    cp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    cp.add_argument("--last", type=int, default=10, help="updates at the end to average")
+    args = ap.parse_args()
+    (speed if args.command == "speed" else curves)(args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from ppo_cli.engine import precision
 from ppo_cli.distributed import launcher_mixed_precision
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, resolve_mixed_precision
 from ppo_cli.errors import UsageError
@@ -28,18 +27,16 @@ def test_resolve_auto_on_cuda_follows_bf16_support(monkeypatch, bf16_supported, 
     assert resolve_mixed_precision("auto", CUDA, torch.float32) == expected
 
 
-@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "no")])
-def test_resolve_auto_on_cpu_follows_hardware_bf16(monkeypatch, native, expected):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
-    assert resolve_mixed_precision("auto", CPU, torch.float32) == expected
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resolve_auto_on_cpu_is_no(dtype):
+    # Measured: bf16 autocast made a 0.5B-shape PPO update slower on an AVX512-BF16 CPU.
+    assert resolve_mixed_precision("auto", CPU, dtype) == "no"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_resolve_auto_leaves_half_precision_weights_alone(monkeypatch, dtype):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_mixed_precision("auto", CUDA, dtype) == "no"
-    assert resolve_mixed_precision("auto", CPU, dtype) == "no"
 
 
 def test_launcher_precision_is_read_from_accelerate_launch_unless_our_launcher_defers(monkeypatch):
