@@ -39,9 +39,10 @@ def _assert_finite_with_first_ratio_near_1(metrics: list[dict]) -> None:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float))}
         assert all(math.isfinite(v) for v in numbers.values()), numbers
         assert row["skipped"] == 0, row
-        # Rollout and update run the same bf16 kernels, so this is 1 up to float32 rounding of the
-        # log-softmax; a rollout outside the autocast puts it about 1e-2 off (bf16 logits' rounding).
-        assert abs(row["val/ratio_first_minibatch"] - 1.0) <= 1e-2, row["val/ratio_first_minibatch"]
+        # Rollout and update run the same bf16 kernels: measured exactly 1. A rollout outside the
+        # update's autocast put it 0.9995-1.0013 here (tiny_sentiment, 3 updates; QLoRA 1.0003-1.0006),
+        # so the bound is far tighter than the 1e-2 asked of mixed precision, to catch that.
+        assert abs(row["val/ratio_first_minibatch"] - 1.0) <= 1e-4, row["val/ratio_first_minibatch"]
 
 
 def test_bf16_then_fp32_in_one_process_each_run_in_the_precision_asked(tiny_models, tmp_path):
