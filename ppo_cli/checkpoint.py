@@ -49,21 +49,44 @@ def write_manifest(directory: Path, info: dict) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
-def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path) -> None:
-    """Adapter (peft format) or full weights at the top of ``directory``, the critic in critic/."""
+def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path, full_state: dict | None = None) -> None:
+    """Adapter (peft format) or full weights at the top of ``directory``, the critic in critic/.
+
+    ``full_state``: the ActorCritic's whole state dict gathered from sharded processes (FSDP,
+    Distributed.full_model_state); None reads the modules themselves.
+    """
     critic = directory / CRITIC
     critic.mkdir()
+    policy_state = part_of(full_state, "policy.")
     if ac.is_peft:
-        save_adapter(ac.policy, POLICY_ADAPTER, directory / "_policy")
+        save_adapter(ac.policy, POLICY_ADAPTER, directory / "_policy", state_dict=policy_state)
         for item in (directory / "_policy").iterdir():
             shutil.move(str(item), directory / item.name)
         (directory / "_policy").rmdir()
     else:
-        unwrap_causal_lm(ac.policy).save_pretrained(directory, safe_serialization=True)
-    ac.critic.save(ac, critic)
-    head = {name: t.detach().contiguous().cpu() for name, t in ac.value_head.state_dict().items()}
-    save_file(head, critic / VALUE_HEAD)
+        model = unwrap_causal_lm(ac.policy)
+        model.save_pretrained(directory, safe_serialization=True, state_dict=without_tied_copies(model, policy_state))
+    ac.critic.save(ac, critic, full_state)
+    head = part_of(full_state, "value_head.") or ac.value_head.state_dict()
+    save_file({name: t.detach().contiguous().cpu() for name, t in head.items()}, critic / VALUE_HEAD)
     tokenizer.save_pretrained(directory)
+
+
+def without_tied_copies(model: torch.nn.Module, state: dict | None) -> dict | None:
+    """``state`` without the second names of tied parameters (lm_head.weight of a model with tied
+    embeddings): gathered copies no longer share storage, so save_pretrained would write both."""
+    if state is None:
+        return None
+    kept = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
+    return {name: tensor for name, tensor in state.items() if name not in tied}
+
+
+def part_of(state: dict | None, prefix: str) -> dict | None:
+    """The entries of ``state`` under ``prefix``, named relative to it (None stays None)."""
+    if state is None:
+        return None
+    return {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
 
 
 def critic_dir(directory: Path) -> Path:
@@ -90,12 +113,13 @@ def atomic_directory(target: Path, manifest_info: dict):
 
 
 def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dtype: torch.dtype | None = None,
-               model_card: str | None = None) -> None:
+               model_card: str | None = None, full_state: dict | None = None) -> None:
     """Write final/ atomically, with ``model_card`` as its README.md; with ``merge_dtype`` also
-    final/merged/ (the policy's base + info's policy_adapter + the trained LoRA, folded into plain weights)."""
+    final/merged/ (the policy's base + info's policy_adapter + the trained LoRA, folded into plain weights).
+    ``full_state``: as for save_policy_and_value."""
     keeps = "the previous final/ (if any) and every checkpoint are intact"
     with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
-        save_policy_and_value(ac, tokenizer, tmp)
+        save_policy_and_value(ac, tokenizer, tmp, full_state)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         if model_card is not None:
             (tmp / MODEL_CARD).write_text(model_card, encoding="utf-8")
@@ -140,22 +164,33 @@ def rng_state() -> dict:
 def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
     """checkpoints/step-NNNNNN/: weights, optimizer, scheduler, KL controller, data position, RNGs.
 
-    Called by every process (each one's RNG state is saved); only the main process writes.
+    Called by every process (each one's RNG state is saved; with FSDP each one's shards are
+    gathered); only the main process writes. The layout is the same with or without sharding.
     """
     final_dir = checkpoints_dir / f"step-{state.step:06d}"
     rng_states = state.dist.gather_objects(rng_state())
+    full_state = gathered_model_state(state)
+    optimizer_state = state.dist.full_optimizer_state(state.model, state.optimizer)
     if state.dist.is_main:
-        _write_checkpoint(state, checkpoints_dir, final_dir, rng_states, keep)
+        _write_checkpoint(state, checkpoints_dir, final_dir, rng_states, keep, full_state,
+                          optimizer_state if optimizer_state is not None else state.optimizer.state_dict())
     state.dist.wait()
     return final_dir
 
 
-def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int) -> None:
+def gathered_model_state(state) -> dict | None:
+    """With FSDP, the ActorCritic's full state dict (main process; collective), else None."""
+    full = state.dist.full_model_state(state.model)
+    return part_of(full, "actor_critic.")  # the prepared module is PolicyAndValue(actor_critic)
+
+
+def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int,
+                      full_state: dict | None, optimizer_state: dict) -> None:
     previous = latest_checkpoint(checkpoints_dir) if checkpoints_dir.exists() else None
     keeps = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was written"
     with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
-        save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp)
-        training = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(), "rng": rng_states}
+        save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp, full_state)
+        training = {"optimizer": optimizer_state, "scheduler": state.scheduler.state_dict(), "rng": rng_states}
         scaler = state.dist.accelerator.scaler  # fp16 mixed precision: the loss scale it has settled on
         if scaler is not None:
             training["grad_scaler"] = scaler.state_dict()
@@ -236,6 +271,12 @@ def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
     ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
 
 
+def keyed_by_parameter_name(optimizer_state: dict) -> bool:
+    """torch's optimizer.state_dict() numbers the parameters; the full state FSDP gathers names them."""
+    return any(isinstance(key, str) for key in optimizer_state.get("state", {})) or any(
+        isinstance(p, str) for group in optimizer_state.get("param_groups", []) for p in group.get("params", []))
+
+
 def restore_rng_state(state: dict) -> None:
     import random
 
@@ -250,14 +291,27 @@ def restore_rng_state(state: dict) -> None:
 
 
 def load_checkpoint(state, directory: Path) -> None:
-    """Put a TrainState back exactly as it was when ``directory`` was saved."""
+    """Put a TrainState back exactly as it was when ``directory`` was saved (one process or DDP:
+    with FSDP the weights go in before sharding, see load_training_state)."""
     verify_manifest(directory)
     load_policy_and_value(state.engine.actor_critic, directory)
+    load_training_state(state, directory)
+
+
+def load_training_state(state, directory: Path) -> None:
+    """Everything of a checkpoint but the weights: optimizer, scheduler, KL controller, data, RNGs.
+
+    The weights are loaded first (load_policy_and_value), into the models before accelerate prepares
+    them: FSDP then shards the loaded weights like any others.
+    """
     # weights_only: a checkpoint is data, never code.
     # map_location="cpu": accelerate names the CPU "cpu:0" with several processes, which torch.load cannot
     # restore; optimizer.load_state_dict moves each state to its parameter's device anyway.
     training = torch.load(directory / "training_state.pt", map_location="cpu", weights_only=True)
-    state.optimizer.load_state_dict(training["optimizer"])
+    if keyed_by_parameter_name(training["optimizer"]):  # written from FSDP's gathered state
+        state.dist.load_full_optimizer_state(state.model, state.optimizer, training["optimizer"])
+    else:
+        state.optimizer.load_state_dict(training["optimizer"])
     state.scheduler.load_state_dict(training["scheduler"])
     scaler = state.dist.accelerator.scaler
     if scaler is not None and "grad_scaler" in training:

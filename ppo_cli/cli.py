@@ -147,6 +147,10 @@ def train(
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
+    if num_processes > 1 and resolved.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import check_one_process
+
+        check_one_process(num_processes)
     if num_processes > 1 or accelerate_config is not None:
         from ppo_cli.launch import launch_train
 
@@ -300,6 +304,7 @@ def eval_(
     from ppo_cli.runs import check_output_path
 
     out = check_output_path(out or Path(f"eval-{inputs.slug(model)}.json"))
+    replaced = out.exists()
     resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
     prompt_list, source = inputs.command_prompts(prompts, field, resolved)
     from ppo_cli import report
@@ -308,7 +313,7 @@ def eval_(
     with report.progress_bar("eval", len(prompt_list) * num_samples) as advance:
         result = run_eval(resolved, model_ref, prompt_list, inputs.sampling_settings(resolved, num_samples, batch_size),
                           prompts_source=source, out=out, progress=advance)
-    report.print_eval(result.summary, str(result.out))
+    report.print_eval(result.summary, str(result.out), replaced)
 
 
 @app.command()

@@ -8,6 +8,7 @@ writes files. With one process every collective is the identity, so single-proce
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -15,7 +16,176 @@ import torch
 from ppo_cli.launch import RECIPE_DECIDES
 
 
-class Distributed:
+# --- FSDP2: parameters, gradients and optimizer states sharded across the processes -------------
+#
+# Asked for by an accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`
+# (recipes/accelerate/fsdp.yaml). Everything here is a no-op for one process and for DDP, so those
+# paths are unchanged. What PPO needs besides accelerate's prepare:
+#  - frozen whole models (the full fine-tune's reference copy, a frozen value model that may be the
+#    reward model's) stay out of the sharded module: they are called directly, outside its forward;
+#  - the rollout calls the causal LM directly (generate, log-probs, values), so FSDP's root forward
+#    hook never runs and parameters outside a wrapped block would stay sharded: full_parameters()
+#    gathers them all once for the rollout (also one all-gather per block, not one per decoded token);
+#  - checkpoints hold the full, gathered state (collectives: every process calls them).
+
+
+def fsdp_requested() -> bool:
+    """Did `accelerate launch` (its config or flags) ask for FSDP?"""
+    import os
+
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def enable_fsdp_on_cpu(accelerator) -> None:
+    """Turn on the FSDP the launch config asked for, on a machine without CUDA.
+
+    accelerate 1.15 (state.py) switches to FSDP only for GPU-like devices: with cpu=True (gloo) it
+    stays MULTI_CPU and silently ignores the config's FSDP section, so each process would train a
+    whole copy (DDP). PyTorch's FSDP2 itself runs on CPU over gloo, so set the state as accelerate
+    does on GPUs. FSDP1 (fsdp_version: 1) is not supported by ppo_cli.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables accelerate launch sets
+    check_fsdp_version(plugin.fsdp_version)
+    if accelerator.num_processes > 1:
+        from accelerate.state import PartialState
+
+        accelerator.state.fsdp_plugin = plugin
+        accelerator.state.distributed_type = DistributedType.FSDP
+        # Every AcceleratorState() copies PartialState's fields over its own; accelerate keeps both
+        # in step the same way at the end of AcceleratorState.__init__.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def check_fsdp_version(version: int) -> None:
+    if version != 2:
+        from ppo_cli.errors import UsageError
+
+        raise UsageError(f"the accelerate config asks for FSDP version {version}; ppo_cli supports FSDP2 only",
+                         hint="set fsdp_config.fsdp_version: 2 (see recipes/accelerate/fsdp.yaml)")
+
+
+def _is_frozen_model(module: torch.nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) and not any(p.requires_grad for p in module.parameters())
+
+
+@contextlib.contextmanager
+def without_frozen_models(module: torch.nn.Module):
+    """Detach whole frozen transformers models from ``module``'s tree for the block (put back after)."""
+    detached = []
+    stack = [module]
+    while stack:
+        parent = stack.pop()
+        for name, child in list(parent.named_children()):
+            if _is_frozen_model(child):
+                detached.append((parent, name, child))
+                del parent._modules[name]
+            else:
+                stack.append(child)
+    try:
+        yield
+    finally:
+        for parent, name, child in reversed(detached):
+            parent._modules[name] = child
+
+
+def _fsdp_units(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: torch.nn.Module):
+    """Every FSDP unit of ``model`` unsharded (full parameters on every process) for the block.
+
+    Collective: every process enters it. Inside, forwards of the model's parts need no communication
+    (a process may run one alone, e.g. the main process's evaluation).
+    """
+    units = _fsdp_units(model)
+    # FSDP2 takes the first module to run forward as its root; the rollout runs the blocks before any
+    # forward of the root, so settle the root first (torch 2.13: private, no public equivalent).
+    model._get_fsdp_state()._lazy_init()
+    # Blocks reshard after their forward by default (set_reshard_after_forward): keep them whole
+    # until the block ends. Each unit's previous setting, to put back.
+    reshards = [any(group._reshard_after_forward for group in unit._get_fsdp_state()._fsdp_param_groups)
+                for unit in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, reshard in zip(units, reshards):
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)
+
+
+def full_state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Gathered whole and moved to CPU on the main process (others get an empty dict).
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class ShardingMixin:
+    """Distributed's FSDP2 methods; each one the identity (or None) without sharding."""
+
+    @property
+    def shards_parameters(self) -> bool:
+        return bool(self.accelerator.is_fsdp2)
+
+    def prepare(self, model: torch.nn.Module, optimizer):
+        """accelerator.prepare(model, optimizer); with FSDP, frozen whole models stay unsharded."""
+        if not self.shards_parameters:
+            return self.accelerator.prepare(model, optimizer)
+        with without_frozen_models(model):
+            return self.accelerator.prepare(model, optimizer)
+
+    def full_parameters(self, model: torch.nn.Module):
+        """Context: the model's full parameters on every process (FSDP), else nothing happens."""
+        return gathered_parameters(model) if self.shards_parameters else contextlib.nullcontext()
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor | None:
+        """accelerator.clip_grad_norm_, the total norm as a plain tensor (FSDP returns a DTensor)."""
+        norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_model_state(self, model: torch.nn.Module) -> dict | None:
+        """FSDP: the full state dict (names as in the unwrapped model) on the main process, {} on the
+        others; None without sharding (save from the modules). Collective."""
+        if not self.shards_parameters:
+            return None
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=full_state_options())
+
+    def full_optimizer_state(self, model: torch.nn.Module, optimizer) -> dict | None:
+        """FSDP: the full optimizer state, keyed by parameter name, on the main process; None without
+        sharding (optimizer.state_dict() is already whole). Collective."""
+        if not self.shards_parameters:
+            return None
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, _unwrap_optimizer(optimizer), options=full_state_options())
+
+    def load_full_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        """Inverse of full_optimizer_state: every process passes the whole state and keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, _unwrap_optimizer(optimizer), state,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer under accelerate's AcceleratedOptimizer."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class Distributed(ShardingMixin):
     def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
                  weights_dtype: torch.dtype = torch.float32):
         """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
@@ -31,6 +201,8 @@ class Distributed:
         check_mixed_precision(precision, device)
         forget_other_precision(precision)
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=precision)
+        if cpu and fsdp_requested():
+            enable_fsdp_on_cpu(self.accelerator)
         # Kept here: accelerator.mixed_precision reads the process-wide state, which a later
         # Accelerator in this process may change (forget_other_precision). DeepSpeed: its config's.
         self.mixed_precision = self.accelerator.mixed_precision

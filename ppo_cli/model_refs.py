@@ -56,6 +56,24 @@ def check_model_reference(path: str) -> None:
         )
 
 
+def has_chat_template(path: str) -> bool | None:
+    """Whether a local model directory's tokenizer files define a chat template, read without loading the
+    tokenizer (transformers 5 writes chat_template.jinja; older saves keep it in tokenizer_config.json);
+    None when ``path`` is not a local directory (a hub id: its tokenizer is checked when it loads)."""
+    import json
+
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        return None
+    if (local / "chat_template.jinja").is_file() or (local / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((local / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return bool(config.get("chat_template"))
+
+
 def check_adapter_reference(path: str, key: str = "policy.adapter") -> None:
     """A peft adapter (``key`` in the recipe): a local directory with adapter_config.json, or a hub id."""
     local = Path(path).expanduser()

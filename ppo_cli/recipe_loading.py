@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import re
 import types
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
@@ -376,9 +377,10 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         allowed = ", ".join(repr(tag) for tag in _tags(_strip_optional(where.tp)))
         if kind == "union_tag_not_found":
             return "missing required key", f"add `{where.path[-1]}:` to this item; allowed values: {allowed}"
-        return f"invalid value {_show(ctx.get('tag'))}", f"allowed values: {allowed}"
+        return f"invalid value {_show(ctx.get('tag'))}", _did_you_mean(ctx.get("tag"), allowed) + f"allowed values: {allowed}"
     if kind == "literal_error":
-        return f"invalid value {_show(value)}", f"allowed values: {ctx.get('expected')}"
+        expected = ctx.get("expected", "")
+        return f"invalid value {_show(value)}", _did_you_mean(value, expected) + f"allowed values: {expected}"
     if kind == "recipe_rule":
         return err["msg"], ctx.get("hint")
     if kind == "value_error":
@@ -394,6 +396,15 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
     if kind == "string_pattern_mismatch":
         return f"invalid value {_show(value)}", description or f"must match {ctx.get('pattern')}"
     return _one_line(err["msg"][:1].lower() + err["msg"][1:]), description
+
+
+def _did_you_mean(value, allowed: str) -> str:
+    """"did you mean 'head'? " when ``value`` is a near miss of one of the quoted values in ``allowed``."""
+    if not isinstance(value, str):
+        return ""
+    choices = re.findall(r"'([^']*)'", allowed)
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) or [c for c in choices if c.lower() == value.lower()]
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def _takes_hint(where: _Where, expected: str) -> str:

@@ -182,7 +182,13 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def print_eval(summary: dict, out: str | None = None) -> None:
+# The sampled-token estimate (k1: log p - log p_ref per token, summed) is unbiased but not each sample's
+# true KL, so a mean over few samples of a policy close to its reference can fall below zero.
+KL_BELOW_ZERO = ("mean KL to reference is below zero: it is estimated from the sampled tokens (log p - log p_ref), "
+                 "which is unbiased but noisy; a small negative value means the model is close to the reference")
+
+
+def print_eval(summary: dict, out: str | None = None, replaced: bool = False) -> None:
     _say(f"eval: {summary['description']}")
     table = Table(header_style="bold")
     table.add_column("metric")
@@ -192,8 +198,10 @@ def print_eval(summary: dict, out: str | None = None) -> None:
     console.print(table)
     _say(f"{summary['num_prompts']} prompts x {summary['num_samples']} sample(s) from {summary['prompts']}, "
          f"seed {summary['seed']}, recipe {summary['recipe']}")
+    if summary["kl"] is not None and summary["kl"] < 0:
+        _say(KL_BELOW_ZERO)
     if out:
-        _say(f"wrote {out}")
+        _say(f"wrote {out}" + (" (replacing the previous file)" if replaced else ""))
 
 
 def prompt_text(prompt) -> str:
@@ -257,6 +265,8 @@ def print_compare(a: dict, b: dict, difference: dict, pairs: list[dict], files: 
     _say(f"A: {a['description']}")
     _say(f"B: {b['description']}")
     console.print(Text(_summary_footnote(a, difference), style="dim"))
+    if any(s["kl"] is not None and s["kl"] < 0 for s in (a, b)):
+        _say(KL_BELOW_ZERO)
     for path in files:
         _say(f"wrote {path}")
 

@@ -190,7 +190,7 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
                     # Each micro-batch's loss is a mean over its own tokens: weight it by its share of
                     # the mini-batch's episodes (1 / grad_accum_steps when all are the same size).
                     accelerator.backward(loss / (len(mini_batch) / len(rows)))
-            grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm or float("inf"))
+            grad_norm = state.dist.clip_grad_norm_(params, max_grad_norm or float("inf"))
             # One NaN step would poison the weights for good: drop it. (After the all-reduce the
             # gradients, hence their norm, are the same on every process, so all of them agree.)
             # DeepSpeed clips inside its engine and reports no norm here.
@@ -282,7 +282,7 @@ class TrainState:
     recipe: Recipe
     engine: Engine
     dist: Distributed
-    model: torch.nn.Module  # PolicyAndValue, wrapped by accelerate (DDP/DeepSpeed) with several processes
+    model: torch.nn.Module  # PolicyAndValue, wrapped by accelerate (DDP/DeepSpeed/FSDP) with several processes
     sampler: PromptSampler
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -299,7 +299,7 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     if dist.mixed_precision != engine.mixed_precision:
         raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
                          f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
-    model, optimizer = dist.accelerator.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
+    model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
         recipe=recipe,
         engine=engine,
@@ -320,7 +320,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
     size, dist = recipe.ppo.rollout_batch_size, state.dist
     prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
-    with memory_phase("sampling and scoring the rollout"):
+    with memory_phase("sampling and scoring the rollout"), dist.full_parameters(state.model):
         rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
 

@@ -5,7 +5,7 @@ Never imported by ppo_cli or its tests: bench_vs_trl.py starts it with .cache/tr
 and reads the JSON it writes (per-update seconds, scores, generated tokens, peak memory).
 
 Settings that TRL defaults differently from ours are set explicitly so the comparison is equal:
-fp32 (bf16=False), no gradient checkpointing, constant learning rate, no periodic sample generation.
+fp32 (bf16=False, unless --bf16: TRL's own default), no gradient checkpointing, constant learning rate, no periodic sample generation.
 TRL never clips gradients, so the ppo_cli side runs with optim.max_grad_norm: null.
 
 Reward: TRL scores a sequence at its last non-pad token, which is the stop token when the response
@@ -32,6 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--reward", required=True, help="a 1-label sequence classifier (also the value model's init)")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="TRL's own default precision (PPOConfig bf16=True)")
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--mini-batches", type=int, default=1)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         gradient_checkpointing=False,
         num_sample_generations=0,

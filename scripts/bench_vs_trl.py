@@ -203,7 +203,7 @@ def bench_config(args, **override) -> dict:
     cfg = dict(
         shape=args.shape, lora=True, updates=args.updates, batch=8, mini_batches=1, micro_batch=8, epochs=4,
         response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0, threads=2,
-        value_kind="head", rollout_logprobs="generation",
+        value_kind="head", rollout_logprobs="generation", precision="fp32",
     )
     cfg.update(override)
     if cfg["lr"] is None:
@@ -240,7 +240,8 @@ def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
                 "gae_lambda": 0.95, "whiten_advantages": True, "whiten_rewards": False,
                 "rollout_logprobs": cfg["rollout_logprobs"]},
         "optim": {"lr": cfg["lr"], "max_grad_norm": None, "scheduler": "constant"},  # TRL never clips
-        "train": {"total_updates": cfg["updates"], "sample_every": 0, "device": "cpu", "num_threads": cfg["threads"]},
+        "train": {"total_updates": cfg["updates"], "sample_every": 0, "device": "cpu", "num_threads": cfg["threads"],
+                  "mixed_precision": "no" if cfg.get("precision", "fp32") == "fp32" else "auto"},
     }
     for key, value in (extra or {}).items():  # dotted keys, e.g. {"reference.quantization": "4bit"}
         if key == "_reward_component":
@@ -298,6 +299,8 @@ def run_trl(cfg: dict, tag: str) -> dict:
     ]
     if cfg["lora"]:
         command.append("--lora")
+    if cfg.get("precision") == "native":
+        command.append("--bf16")  # TRL's PPOConfig default
     if cfg["missing_eos_penalty"] is not None:
         command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
     started = time.perf_counter()
@@ -324,21 +327,35 @@ def _brief(result: dict, warmup: int) -> str:
 
 
 def cmd_compare(args) -> None:
+    """Rounds of side-by-side runs: TRL, then ours once per --value-kind (the order flips every round)."""
     out = RESULTS / f"compare-{args.shape}{args.tag}.jsonl"
     modes = [m.strip() for m in args.modes.split(",")]
+    kinds = value_kinds(args.value_kind)
     for round_ in range(args.rounds):
         for mode in modes:
-            cfg = bench_config(args, lora=(mode == "lora"), value_kind=args.value_kind, seed=args.seed + round_,
-                               lr=args.lr)
-            order = ["trl", "ours"] if round_ % 2 == 0 else ["ours", "trl"]
-            for impl in [i for i in order if i in args.impls.split(",")]:
+            runs = [("trl", None)] * ("trl" in args.impls.split(",")) + [("ours", k) for k in kinds] * ("ours" in args.impls.split(","))
+            for impl, kind in runs if round_ % 2 == 0 else runs[::-1]:
+                cfg = bench_config(args, lora=(mode == "lora"), value_kind=kind or "model-reward", seed=args.seed + round_,
+                                   lr=args.lr, precision=args.precision)
                 load = wait_for_quiet(args.max_load) if args.max_load else load_average()
-                tag = f"{args.shape}{args.tag}-{mode}-{impl}-{args.value_kind}-r{round_}"
+                tag = f"{args.shape}{args.tag}-{mode}-{impl}-{kind or 'trl'}-{args.precision}-r{round_}"
                 print(f"[round {round_}] {tag} (load {load:.2f})", flush=True)
                 result = run_ours(cfg, tag) if impl == "ours" else run_trl(cfg, tag)
                 result["load_at_start"] = load
                 record(result, cfg, "compare", out)
                 print("   ", _brief(result, args.warmup), flush=True)
+
+
+VALUE_KINDS = ("head", "adapter", "model", "model-reward", "model-reward-frozen", "auto")
+
+
+def value_kinds(spec: str) -> list[str]:
+    """--value-kind auto,model-reward -> ['auto', 'model-reward'] (ours runs once per kind)."""
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in VALUE_KINDS]
+    if unknown or not kinds:
+        raise SystemExit(f"--value-kind: unknown {unknown}; choose from {', '.join(VALUE_KINDS)}")
+    return kinds
 
 
 def cmd_scaling(args) -> None:
@@ -456,7 +473,7 @@ def side_by_side_table(results: list[dict], shape: str, warmup: int, title: str)
     print("|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for mode in ("lora", "full"):
-        groups = [("trl", None)] + [("ours", k) for k in ("head", "adapter", "model", "model-reward", "model-reward-frozen")]
+        groups = [("trl", None)] + [("ours", k) for k in ("auto", "head", "adapter", "model", "model-reward", "model-reward-frozen")]
         rows = {}
         for impl, kind in groups:
             sel = [r for r in results if r["impl"] == impl and r["cfg"]["lora"] == (mode == "lora")
@@ -577,7 +594,11 @@ def main(argv=None) -> int:
         p.add_argument("--updates", type=int, default=5)
         p.add_argument("--rounds", type=int, default=2)
         p.add_argument("--modes", default="lora,full")
-        p.add_argument("--value-kind", default="head", choices=("head", "adapter", "model", "model-reward", "model-reward-frozen", "auto"))
+        p.add_argument("--value-kind", default="head",
+                       help=f"ours' critic, or several comma-separated (compare: one run of ours each): {', '.join(VALUE_KINDS)}")
+        p.add_argument("--precision", choices=("fp32", "native"), default="fp32",
+                       help="fp32 for both, or each tool's own default (TRL: PPOConfig's bf16=True; ours: "
+                            "train.mixed_precision auto)")
         p.add_argument("--impls", default="trl,ours")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--warmup", type=int, default=1)

@@ -129,6 +129,27 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     assert result.stderr.strip() == SUMMARY
 
 
+def test_validate_refuses_a_conversation_reward_model_without_a_chat_template(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("The movie was\n")
+    for model in ("tiny/policy", "rm"):
+        (tmp_path / model).mkdir(parents=True)
+        (tmp_path / model / "config.json").write_text("{}")
+    (tmp_path / "rm" / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(MINIMAL.read_text().replace(
+        "    - type: function\n      function: rewards.py:length_reward\n",
+        "    - type: model\n      path: rm\n      text: conversation\n"))
+    result = invoke("validate", recipe)
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        "error: reward component 'rm' reads text: conversation but its tokenizer has no chat template",
+        "hint: use a reward model whose tokenizer has a chat template, or text: prompt_and_response / response",
+    ]
+    (tmp_path / "rm" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert invoke("validate", recipe).exit_code == 0
+
+
 def test_validate_bad_recipe_is_one_error_line_and_a_hint(bad_recipe):
     result = invoke("validate", bad_recipe)
     assert result.exit_code == EXIT_USAGE
@@ -209,6 +230,18 @@ def test_train_invalid_recipe_never_reaches_the_train_command(fake_train, bad_re
     assert result.exit_code == EXIT_USAGE
     assert result.stderr.startswith(f"error: {bad_recipe}:16: ppo.kl_coeff:")
     assert fake_train == []
+
+
+def test_train_vllm_with_several_processes_is_refused_before_launching(monkeypatch, fake_train):
+    launched = []
+    monkeypatch.setattr("ppo_cli.launch.launch_train", lambda *a, **k: launched.append(a) or 0)
+    result = invoke("train", MINIMAL, "--set", "generation.backend=vllm", "--num-processes", "2")
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        "error: generation.backend 'vllm' runs in one process only",
+        "hint: train with one process (no --num-processes / accelerate launch), or set generation.backend: hf",
+    ]
+    assert launched == [] and fake_train == []
 
 
 def test_train_ppo_error_keeps_its_exit_code_and_hint(monkeypatch, fake_train):
@@ -301,3 +334,12 @@ def test_a_missing_accelerate_config_is_one_line():
     result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--accelerate-config", "nowhere.yaml")
     assert result.returncode == 2
     assert result.stderr.splitlines()[0] == "error: accelerate config not found: nowhere.yaml"
+
+
+def test_train_launched_process_refuses_vllm_before_loading_models(monkeypatch):
+    from ppo_cli.commands.train import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch / torchrun set in each process
+    recipe = load_recipe(MINIMAL, ["generation.backend=vllm"])
+    with pytest.raises(UsageError, match="generation.backend 'vllm' runs in one process only"):
+        preflight(recipe)

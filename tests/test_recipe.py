@@ -146,6 +146,13 @@ def test_bad_literal_lists_allowed_values(tmp_path):
     assert err.hint == "allowed values: 'float32', 'bfloat16', 'float16' or 'auto'"
 
 
+def test_near_miss_literal_suggests_the_value(tmp_path):
+    path = variant(tmp_path, "  path: tiny/policy\n", "  path: tiny/policy\n  dtype: bfloat\n")
+    assert error(path).hint == "did you mean 'bfloat16'? allowed values: 'float32', 'bfloat16', 'float16' or 'auto'"
+    path = variant(tmp_path, "    - type: function\n", "    - type: Model\n")
+    assert error(path).hint == "did you mean 'model'? allowed values: 'model', 'classifier', 'function'"
+
+
 def test_bad_reward_type_lists_allowed_types(tmp_path):
     path = variant(tmp_path, "    - type: function\n", "    - type: python\n")
     err = error(path)

@@ -7,6 +7,7 @@ function, output directory, checkpoint to resume) runs before the first model is
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import signal
@@ -51,6 +52,11 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
 
+    if recipe.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import check_one_process, check_vllm_installed
+
+        check_one_process(int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
+        check_vllm_installed()
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
     check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
@@ -67,10 +73,6 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.tracking import check_trackers
 
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
-    if recipe.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import check_vllm_installed
-
-        check_vllm_installed()
     return prompts, eval_prompts
 
 
@@ -301,8 +303,10 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     return before
 
 
-def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None) -> dict:
-    """final/, eval.json and summary.json, written by the main process."""
+def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None,
+            full_state: dict | None = None) -> dict:
+    """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
+    weights under FSDP, see save_policy_and_value)."""
     import torch
 
     from ppo_cli.checkpoint import save_final
@@ -322,7 +326,8 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     }
     card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])
     merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
-    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card)
+    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card,
+               full_state=full_state)
     if before is not None:
         atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
     summary = {
@@ -379,7 +384,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     import torch
 
     from ppo_cli import report
-    from ppo_cli.checkpoint import load_checkpoint
+    from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.session import load_engine
     from ppo_cli.memory_errors import OutOfMemory
@@ -398,18 +403,21 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     try:
         with memory_phase("loading the models"):
             engine = load_engine(recipe, dist.device, dist.mixed_precision)
+        if checkpoint is not None:  # before accelerate prepares the models: FSDP shards the loaded weights
+            load_policy_and_value(engine.actor_critic, checkpoint)
         state = init_state(engine, prompts, dist)
     except OutOfMemory as err:
         raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
     run_dir, footprint = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
-        load_checkpoint(state, checkpoint)
+        load_training_state(state, checkpoint)
         if dist.is_main:
             _truncate_jsonl(run_dir.metrics, state.step)
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
-        before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
+        with dist.full_parameters(state.model):  # the main process generates alone
+            before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
     except BaseException as err:
@@ -419,6 +427,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
         raise
 
-    summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer) if dist.is_main else {}
+    full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
+    with dist.full_parameters(state.model):
+        summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -30,8 +30,8 @@ def check_recipe_files(recipe: Recipe) -> None:
     (readable, not empty), model paths (a saved model, or a hub id), reward function files. A
     reward function is not imported here: its module's code runs only when training asks for it."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.errors import RewardFunctionError
-    from ppo_cli.model_refs import check_adapter_reference, check_model_reference
+    from ppo_cli.errors import DataError, RewardFunctionError
+    from ppo_cli.model_refs import check_adapter_reference, check_model_reference, has_chat_template
 
     for which in ("prompts", "eval_prompts"):
         if getattr(recipe.data, which):
@@ -44,6 +44,11 @@ def check_recipe_files(recipe: Recipe) -> None:
     for component in recipe.reward.components:
         if component.type != "function":
             check_model_reference(component.path)
+            if component.text == "conversation" and has_chat_template(component.path) is False:
+                raise DataError(
+                    f"reward component '{component.path}' reads text: conversation but its tokenizer has no chat template",
+                    hint="use a reward model whose tokenizer has a chat template, or text: prompt_and_response / response",
+                )
             continue
         target, _, name = component.function.rpartition(":")
         if target.endswith(".py") and not Path(target).is_file():

@@ -70,8 +70,9 @@ class Critic:
         critic that reads_policy_hidden has none: its features come with the policy's forward)."""
         raise NotImplementedError
 
-    def save(self, ac: ActorCritic, critic_dir: Path) -> None:
-        """Write the critic's network (not the head) into ``critic_dir``."""
+    def save(self, ac: ActorCritic, critic_dir: Path, full_state: dict | None = None) -> None:
+        """Write the critic's network (not the head) into ``critic_dir``; ``full_state``: the
+        ActorCritic's state dict gathered from sharded processes (FSDP), None to read the modules."""
 
     def load(self, ac: ActorCritic, critic_dir: Path) -> None:
         """Inverse of save, into the already-built network."""
@@ -138,10 +139,11 @@ class AdapterCritic(Critic):
         ac.use_adapter(POLICY_ADAPTER)
         return response_slice(hidden, response_len)
 
-    def save(self, ac, critic_dir):
+    def save(self, ac, critic_dir, full_state=None):
+        from ppo_cli.checkpoint import part_of
         from ppo_cli.engine.models import save_adapter
 
-        save_adapter(ac.policy, VALUE_ADAPTER, critic_dir / "value_adapter")
+        save_adapter(ac.policy, VALUE_ADAPTER, critic_dir / "value_adapter", state_dict=part_of(full_state, "policy."))
 
     def load(self, ac, critic_dir):
         from peft import set_peft_model_state_dict
@@ -208,8 +210,11 @@ class ModelCritic(Critic):
 
         return response_slice(backbone_hidden(ac.value_backbone, sequences, attention_mask), response_len)
 
-    def save(self, ac, critic_dir):
-        ac.value_backbone.save_pretrained(critic_dir / "value_model", safe_serialization=True)
+    def save(self, ac, critic_dir, full_state=None):
+        from ppo_cli.checkpoint import part_of
+
+        ac.value_backbone.save_pretrained(critic_dir / "value_model", safe_serialization=True,
+                                          state_dict=part_of(full_state, "value_backbone."))
 
     def load(self, ac, critic_dir):
         from ppo_cli.checkpoint import load_safetensors_into

@@ -139,6 +139,14 @@ class PolicyAndValue(nn.Module):
         super().__init__()
         self.actor_critic = actor_critic
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The transformer block classes of the models inside: FSDP's auto-wrap shards each block as one
+        unit (accelerate reads this attribute of the module it prepares, as of a transformers model)."""
+        models = [m for m in (self.actor_critic.policy, self.actor_critic.value_backbone) if m is not None]
+        names = [name for m in models for name in getattr(unwrap_causal_lm(m), "_no_split_modules", None) or []]
+        return list(dict.fromkeys(names))
+
     def forward(self, sequences, attention_mask, response_len: int, temperature: float,
                 fixed_value_features: torch.Tensor | None = None):
         """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run)."""

@@ -227,13 +227,14 @@ def peft_lora_config(lora: LoraConfig):
     )
 
 
-def save_adapter(policy: nn.Module, adapter: str, target: Path) -> None:
+def save_adapter(policy: nn.Module, adapter: str, target: Path, state_dict: dict | None = None) -> None:
     """One peft adapter of ``policy`` in peft's format at ``target`` (peft writes an adapter not named
-    "default" into a subfolder of its name: it is moved up)."""
+    "default" into a subfolder of its name: it is moved up). ``state_dict``: the policy's weights when
+    its modules do not hold them whole (FSDP), else None."""
     import shutil
 
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        policy.save_pretrained(tmp, selected_adapters=[adapter])
+        policy.save_pretrained(tmp, selected_adapters=[adapter], state_dict=state_dict)
         shutil.move(str(Path(tmp) / adapter), target)
 
 
@@ -268,6 +269,7 @@ class ActorCritic(nn.Module):
         self.reference_is_policy = False  # inference on the reference itself: the KL is 0 by definition
         self.is_peft = hasattr(policy, "disable_adapter")
         self._trainable = [p for p in self.parameters() if p.requires_grad]
+        self._trainable_names = {name for name, p in self.named_parameters() if p.requires_grad}
 
     @property
     def value_kind(self) -> str:
@@ -275,11 +277,13 @@ class ActorCritic(nn.Module):
 
     # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
     # ours must keep their gradients (one backward covers both), so restore them after switching.
+    # By name: under FSDP the registered parameter objects change (sharded or gathered ones).
     def use_adapter(self, name: str) -> None:
         if self.is_peft and self.policy.active_adapter != name:
             self.policy.set_adapter(name)
-            for param in self._trainable:
-                param.requires_grad_(True)
+            for param_name, param in self.named_parameters():
+                if param_name in self._trainable_names:
+                    param.requires_grad_(True)
 
     @contextlib.contextmanager
     def reference_context(self):

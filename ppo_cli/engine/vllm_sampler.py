@@ -49,6 +49,17 @@ def check_vllm_installed() -> None:
         raise UsageError("generation.backend is 'vllm' but the vllm package is not installed", hint=INSTALL_HINT)
 
 
+ONE_PROCESS_ONLY = ("generation.backend 'vllm' runs in one process only",
+                    "train with one process (no --num-processes / accelerate launch), or set generation.backend: hf")
+
+
+def check_one_process(world_size: int) -> None:
+    """vLLM's in-process engine is not sharded across processes: refuse a multi-process launch before
+    any model loads (``world_size`` as the launcher sets WORLD_SIZE, or --num-processes)."""
+    if world_size > 1:
+        raise UsageError(ONE_PROCESS_ONLY[0], hint=ONE_PROCESS_ONLY[1])
+
+
 def import_vllm():
     """vllm itself, or the same one-line error when it is installed but cannot be imported (on CPU, its
     torchvision/torchaudio wheels fail to load against the CPU build of torch)."""
@@ -215,9 +226,8 @@ class VllmSampler:
     def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module):
         import torch.distributed as torch_dist
 
-        if torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-            raise UsageError("generation.backend 'vllm' runs in one process only",
-                             hint="train with one process (no --num-processes / accelerate launch), or set generation.backend: hf")
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            check_one_process(torch_dist.get_world_size())
         vllm = import_vllm()
         from ppo_cli.engine.models import unwrap_causal_lm
 

@@ -1,0 +1,113 @@
+"""Peak resident memory per process: DDP against FSDP2, 2 CPU processes, LoRA and full fine-tuning.
+
+    python scripts/bench_sharding.py --shape tiny                 # LoRA and full, DDP and FSDP
+    python scripts/bench_sharding.py --shape 0.5b --modes lora    # the Qwen2.5-0.5B shape (random weights)
+
+Each configuration is one `ppo train` of 2 updates under `accelerate launch` (DDP: --multi_gpu, as
+`ppo train --num-processes 2` launches; FSDP: recipes/accelerate/fsdp.yaml). Every training process
+runs through this file (`_rank`), which records its own peak RSS (getrusage ru_maxrss) at exit;
+the figures are the two processes' peaks and their ratio FSDP / DDP. Models: the tiny review LM
+(PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python scripts/bench_vs_trl.py models`
+(.cache/bench/0.5b, reward model of the same shape). Run on a quiet machine: the 0.5B shape with
+LoRA needs about 2 x 6 GB. Never imported by ppo_cli or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP_CONFIG = ROOT / "recipes/accelerate/fsdp.yaml"
+
+
+def _rank_main(out_dir: str, argv: list[str]) -> None:
+    """One training process: `ppo ...argv`, then this process's peak RSS into out_dir/rank<N>.json."""
+    from ppo_cli.cli import main
+
+    code = 0
+    try:
+        sys.argv = ["ppo", *argv]
+        main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+    rank = os.environ.get("RANK", "0")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_rss_gb": peak_gb, "exit": code}))
+    sys.exit(code)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _models(shape: str) -> tuple[Path, Path, str]:
+    """(policy, reward, reward component type)."""
+    if shape == "tiny":
+        tiny = Path(os.environ.get("PPO_TINY_MODELS", ROOT / "models/tiny"))
+        return tiny / "policy", tiny / "reward", "classifier"
+    big = ROOT / ".cache/bench/0.5b"
+    if not (big / "reward/config.json").exists():
+        sys.exit(f"{big} is missing: run python scripts/bench_vs_trl.py models first")
+    return big / "policy", big / "reward", "model"
+
+
+def _settings(shape: str, mode: str, out: Path) -> list[str]:
+    policy, reward, kind = _models(shape)
+    component = f"{{type: {kind}, path: '{reward}'" + (", labels: {negative: -1.0, neutral: 0.1, positive: 10.0}}" if kind == "classifier" else "}")
+    sets = {
+        "policy.path": policy, "output_dir": out, "reward.components": f"[{component}]",
+        "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+        "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
+        "generation.max_new_tokens": 16, "train.total_updates": 2, "train.save_every": 0,
+        "train.sample_every": 0, "train.num_threads": 1, "train.device": "cpu",
+    }
+    if mode == "full":
+        sets.update({"policy.lora": "null", "value.kind": "model", "optim.lr": 1e-5})
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def measure(shape: str, strategy: str, mode: str) -> list[float]:
+    """Peak RSS (GB) of each of the 2 processes of one run."""
+    with tempfile.TemporaryDirectory(prefix="bench-sharding-") as tmp:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
+        if strategy == "fsdp":
+            launcher += ["--config_file", str(FSDP_CONFIG)]
+        else:  # what `ppo train --num-processes 2` launches (ppo_cli/launch.py)
+            launcher += ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                         "--dynamo_backend", "no"]
+        recipe = ROOT / "recipes/tiny_sentiment.yaml"
+        args = [*launcher, __file__, "_rank", tmp, "train", str(recipe), *_settings(shape, mode, Path(tmp) / "runs")]
+        result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        if result.returncode != 0:
+            sys.exit(f"{shape} {strategy} {mode} failed:\n{result.stderr[-3000:]}")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_rss_gb"] for r in (0, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("tiny", "0.5b"), default="tiny")
+    parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora", "full"])
+    args = parser.parse_args()
+    print(f"| shape | mode | DDP peak RSS per process (GB) | FSDP peak RSS per process (GB) | FSDP / DDP |")
+    print("|---|---|---|---|---|")
+    for mode in args.modes:
+        ddp, fsdp = measure(args.shape, "ddp", mode), measure(args.shape, "fsdp", mode)
+        fmt = lambda peaks: " / ".join(f"{p:.2f}" for p in peaks)  # noqa: E731
+        print(f"| {args.shape} | {mode} | {fmt(ddp)} | {fmt(fsdp)} | {max(fsdp) / max(ddp):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "_rank":
+        _rank_main(sys.argv[2], sys.argv[3:])
+    else:
+        main()

@@ -1,0 +1,30 @@
+"""What `ppo eval` and `ppo compare` print beside their tables."""
+
+from __future__ import annotations
+
+from ppo_cli import report
+
+
+def eval_summary(kl: float | None) -> dict:
+    return {
+        "description": "base model", "reward": {"mean": 1.0, "median": 1.0, "std": 0.5, "min": 0.0, "max": 2.0},
+        "reward_components": {}, "eos_rate": 0.5, "response_length": 10.0, "kl": kl, "distinct_1": 0.5,
+        "distinct_2": 0.6, "num_prompts": 4, "num_samples": 1, "prompts": "prompts.txt", "seed": 0, "recipe": "r",
+    }
+
+
+def printed(summary: dict, **kwargs) -> list[str]:
+    with report.console.capture() as capture:
+        report.print_eval(summary, **kwargs)
+    return capture.get().splitlines()
+
+
+def test_negative_kl_is_explained_and_a_positive_one_is_not():
+    assert report.KL_BELOW_ZERO in printed(eval_summary(-0.02))
+    assert report.KL_BELOW_ZERO not in printed(eval_summary(0.02))
+    assert report.KL_BELOW_ZERO not in printed(eval_summary(None))
+
+
+def test_eval_says_when_it_replaced_an_existing_summary():
+    assert printed(eval_summary(0.1), out="eval-base.json", replaced=True)[-1] == "wrote eval-base.json (replacing the previous file)"
+    assert printed(eval_summary(0.1), out="eval-base.json")[-1] == "wrote eval-base.json"
