@@ -13,8 +13,6 @@ import os
 
 import torch
 
-from ppo_cli.launch import RECIPE_DECIDES
-
 
 # --- FSDP2: parameters, gradients and optimizer states sharded across the processes -------------
 #
@@ -284,11 +282,9 @@ def forget_other_precision(mixed_precision: str) -> None:
 
 
 def launcher_mixed_precision() -> str | None:
-    """The precision an accelerate launcher set for this process (`accelerate launch --mixed_precision`,
-    or the config of `ppo train --accelerate-config FILE`), or None when nobody launched it so. Our own
-    `ppo train --num-processes N` leaves the choice to the recipe (launch.py sets RECIPE_DECIDES)."""
-    if os.environ.get(RECIPE_DECIDES):
-        return None
-    value = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    return value.lower() if value else None
-
+    """bf16 or fp16 when an accelerate launcher asked for it (`accelerate launch --mixed_precision`, the
+    config of `ppo train --accelerate-config FILE`), else None. The launcher's 'no' reads as "not set":
+    accelerate writes 'no' when nothing was asked (its default, and our own `--num-processes` launch),
+    so it cannot tell the recipe's 'auto' anything."""
+    value = (os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
+    return None if value == "no" else value

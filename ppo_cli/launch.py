@@ -7,10 +7,6 @@ import socket
 import subprocess
 import sys
 
-# Set in the processes of our own launch (no --accelerate-config): the `--mixed_precision no` given to
-# accelerate is a placeholder, and train.mixed_precision decides (distributed.launcher_mixed_precision).
-RECIPE_DECIDES = "PPO_CLI_PRECISION_FROM_RECIPE"
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -25,8 +21,8 @@ def launch_command(num_processes: int, train_args: list[str], config_file=None) 
     distributed type, mixed precision and dynamo backend are not overridden; ``num_processes`` > 1
     overrides its process count. Without one: ``num_processes`` data-parallel processes, where
     --multi_gpu selects torchrun-style launching (on a machine without CUDA they talk over gloo:
-    ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe
-    (train.mixed_precision, 'auto' included: launch_train tells the processes so).
+    ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe (train.mixed_precision:
+    the launcher's 'no' reads as "not set", distributed.launcher_mixed_precision).
     """
     launcher = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file is not None:
@@ -44,7 +40,4 @@ def launch_command(num_processes: int, train_args: list[str], config_file=None) 
 def launch_train(num_processes: int, train_args: list[str], config_file=None) -> int:
     """Run the launcher in the foreground; its exit code is ours."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop(RECIPE_DECIDES, None)
-    if config_file is None:  # our `--mixed_precision no` is a placeholder, not the user's choice
-        env[RECIPE_DECIDES] = "1"
     return subprocess.run(launch_command(num_processes, train_args, config_file), env=env).returncode

@@ -6,7 +6,6 @@ import torch
 from ppo_cli.distributed import launcher_mixed_precision
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, resolve_mixed_precision
 from ppo_cli.errors import UsageError
-from ppo_cli.launch import RECIPE_DECIDES, launch_train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -39,14 +38,14 @@ def test_resolve_auto_leaves_half_precision_weights_alone(monkeypatch, dtype):
     assert resolve_mixed_precision("auto", CUDA, dtype) == "no"
 
 
-def test_launcher_precision_is_read_from_accelerate_launch_unless_our_launcher_defers(monkeypatch):
-    monkeypatch.delenv(RECIPE_DECIDES, raising=False)
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    assert launcher_mixed_precision() is None
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")
-    assert launcher_mixed_precision() == "bf16"
-    monkeypatch.setenv(RECIPE_DECIDES, "1")
-    assert launcher_mixed_precision() is None
+@pytest.mark.parametrize("env, expected", [(None, None), ("no", None), ("NO", None), ("bf16", "bf16"), ("FP16", "fp16")])
+def test_launcher_precision_counts_only_an_asked_for_half_precision(monkeypatch, env, expected):
+    # accelerate launch writes 'no' when nothing was asked (and our own --num-processes launch does).
+    if env is None:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", env)
+    assert launcher_mixed_precision() == expected
 
 
 def test_fp16_on_cpu_is_refused_with_the_fix():
@@ -115,14 +114,3 @@ def test_distributed_refuses_fp16_on_cpu():
 
     with pytest.raises(UsageError, match="needs a GPU"):
         Distributed("cpu", "fp16")
-
-
-def test_our_launcher_lets_the_recipe_decide_and_a_users_config_does_not(monkeypatch, tmp_path):
-    import subprocess
-
-    seen = []
-    monkeypatch.setattr(subprocess, "run", lambda cmd, env: seen.append(env) or subprocess.CompletedProcess(cmd, 0))
-    monkeypatch.setenv(RECIPE_DECIDES, "1")  # left over from an outer launch: not inherited blindly
-    launch_train(2, ["r.yaml"])
-    launch_train(2, ["r.yaml"], tmp_path / "accelerate.yaml")
-    assert [env.get(RECIPE_DECIDES) for env in seen] == ["1", None]
