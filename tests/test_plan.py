@@ -234,18 +234,19 @@ def test_mixed_precision_halves_float32_activations_and_adds_autocast_weight_cop
     assert ("policy", "autocast weight copies (update)") not in lora_bf16  # frozen base: cast per use, not cached
 
 
-@pytest.mark.parametrize("setting, device, dtype, expected", [
-    ("auto", "cuda", "float32", "bf16"),
-    ("auto", "cpu", "float32", "no"),
-    ("auto", "cuda", "bfloat16", "no"),
-    ("no", "cuda", "float32", "no"),
-    ("fp16", "cuda", "float32", "fp16"),
-    ("bf16", "cpu", "float32", "bf16"),
+@pytest.mark.parametrize("setting, device, dtype, native, expected", [
+    ("auto", "cuda", "float32", False, "bf16"),
+    ("auto", "cpu", "float32", True, "bf16"),
+    ("auto", "cpu", "float32", False, "no"),
+    ("auto", "cuda", "bfloat16", True, "no"),
+    ("no", "cuda", "float32", True, "no"),
+    ("fp16", "cuda", "float32", False, "fp16"),
+    ("bf16", "cpu", "float32", False, "bf16"),
 ])
-def test_plan_resolves_mixed_precision_as_a_run_would(setting, device, dtype, expected):
+def test_plan_resolves_mixed_precision_as_a_run_would(setting, device, dtype, native, expected):
     from types import SimpleNamespace
 
     from ppo_cli.memory import planned_mixed_precision
 
     recipe = SimpleNamespace(train=SimpleNamespace(mixed_precision=setting))
-    assert planned_mixed_precision(recipe, device, dtype) == expected
+    assert planned_mixed_precision(recipe, device, dtype, native) == expected

@@ -66,7 +66,9 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     if budget is None and device == "cuda" and torch.cuda.is_available():
         budget, source = torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
     prompt_len, note = prompt_tokens(recipe)
-    settings = settings_from_recipe(recipe, device, prompt_len)
+    from ppo_cli.engine.precision import cpu_has_native_bf16
+
+    settings = settings_from_recipe(recipe, device, prompt_len, cpu_native_bf16=cpu_has_native_bf16())
     shapes = model_shapes(recipe)
     result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note)
     if budget is not None and not result.fits:

@@ -18,21 +18,32 @@ from ppo_cli.errors import UsageError
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """Does this CPU compute bf16 in hardware (AVX512-BF16 or AMX)? There bf16 autocast made a 0.5B-shape
+    PPO update 1.67x faster (docs/benchmarks.md, "Mixed precision"); elsewhere oneDNN emulates bf16."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the fallbacks
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
 def resolve_mixed_precision(setting: str, device: torch.device, weights_dtype: torch.dtype,
                             launcher: str | None = None) -> str:
     """'no', 'bf16' or 'fp16' for train.mixed_precision ``setting`` ('auto' or one of those).
 
-    An explicit setting wins. 'auto' takes the launcher's choice when there is one; else it is bf16 on
-    a CUDA device that supports it, with float32 weights (half-precision weights are pure bf16/fp16
-    already), and 'no' elsewhere: on CPU, even with hardware bf16 (AVX512-BF16), bf16 autocast made a
-    PPO update slower, not faster (docs/benchmarks.md, "Mixed precision").
+    An explicit setting wins. 'auto' takes the launcher's choice when there is one; else, for float32
+    weights (half-precision weights are pure bf16/fp16 already), bf16 on a CUDA device that supports it
+    and on a CPU with hardware bf16, and 'no' elsewhere.
     """
     if setting != "auto":
         return setting
     if launcher is not None:
         return launcher
-    if device.type == "cuda" and weights_dtype == torch.float32 and torch.cuda.is_bf16_supported():
-        return "bf16"
+    if weights_dtype != torch.float32:
+        return "no"
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    if device.type == "cpu":
+        return "bf16" if cpu_has_native_bf16() else "no"
     return "no"
 
 
