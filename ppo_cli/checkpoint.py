@@ -190,10 +190,11 @@ def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states:
     keeps = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was written"
     with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp, full_state)
-        torch.save(
-            {"optimizer": optimizer_state, "scheduler": state.scheduler.state_dict(), "rng": rng_states},
-            tmp / "training_state.pt",
-        )
+        training = {"optimizer": optimizer_state, "scheduler": state.scheduler.state_dict(), "rng": rng_states}
+        scaler = state.dist.accelerator.scaler  # fp16 mixed precision: the loss scale it has settled on
+        if scaler is not None:
+            training["grad_scaler"] = scaler.state_dict()
+        torch.save(training, tmp / "training_state.pt")
         trainer_state = {
             "step": state.step, "episodes": state.episodes, "consecutive_skips": state.consecutive_skips,
             "kl_controller": state.kl_controller.state_dict(), "sampler": state.sampler.state_dict(),
@@ -312,6 +313,9 @@ def load_training_state(state, directory: Path) -> None:
     else:
         state.optimizer.load_state_dict(training["optimizer"])
     state.scheduler.load_state_dict(training["scheduler"])
+    scaler = state.dist.accelerator.scaler
+    if scaler is not None and "grad_scaler" in training:
+        scaler.load_state_dict(training["grad_scaler"])
     trainer_state = json.loads((directory / "trainer_state.json").read_text())
     state.step, state.episodes = trainer_state["step"], trainer_state["episodes"]
     state.consecutive_skips = trainer_state.get("consecutive_skips", 0)

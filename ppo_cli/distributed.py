@@ -188,18 +188,40 @@ def _unwrap_optimizer(optimizer):
 
 
 class Distributed(ShardingMixin):
-    def __init__(self, device_name: str = "auto"):
+    def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
+                 weights_dtype: torch.dtype = torch.float32):
+        """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
+        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast)."""
         from accelerate import Accelerator
 
+        from ppo_cli.engine.precision import check_mixed_precision, resolve_mixed_precision
+
         if launched_with_deepspeed():
+            # DeepSpeed casts the engine's model itself, as its accelerate config says (mixed_precision).
             self.accelerator = Accelerator(**deepspeed_accelerator_kwargs())
             load_models_whole(self.accelerator.state.deepspeed_plugin)
+            self.mixed_precision = self.accelerator.mixed_precision
             return
         # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
         cpu = device_name == "cpu" or not torch.cuda.is_available()
-        self.accelerator = Accelerator(cpu=cpu)
+        device = torch.device("cpu" if cpu else "cuda")
+        precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision())
+        check_mixed_precision(precision, device)
+        forget_other_precision(precision)
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=precision)
         if cpu and fsdp_requested():
             enable_fsdp_on_cpu(self.accelerator)
+        # Kept here: accelerator.mixed_precision reads the process-wide state, which a later
+        # Accelerator in this process may change (forget_other_precision). DeepSpeed: its config's.
+        self.mixed_precision = self.accelerator.mixed_precision
+
+    @classmethod
+    def for_recipe(cls, recipe) -> "Distributed":
+        """The run's processes and precision as ``recipe`` (train.device, train.mixed_precision) asks."""
+        from ppo_cli.engine.models import resolve_device, resolve_dtype
+
+        weights_dtype = resolve_dtype(recipe.policy.dtype, resolve_device(recipe.train.device))
+        return cls(recipe.train.device, recipe.train.mixed_precision, weights_dtype)
 
     @property
     def rank(self) -> int:
@@ -340,3 +362,31 @@ def mark_accumulation_boundary(accelerator, is_last_micro_batch: bool) -> None:
     private setter transformers' Trainer uses.) A no-op without DeepSpeed."""
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.gradient_state._set_sync_gradients(is_last_micro_batch)
+
+
+# --- mixed precision: accelerate's process-wide state ----------------------------------------------
+
+
+def forget_other_precision(mixed_precision: str) -> None:
+    """Let a new Accelerator take ``mixed_precision`` although an earlier one in this process chose another.
+
+    accelerate keeps its settings in a process-wide singleton (AcceleratorState) and refuses a second
+    Accelerator with another precision. Each run of ours builds its own Accelerator, and the tests,
+    benchmarks and notebooks run several in one process. Clearing only AcceleratorState keeps the
+    process state (PartialState: ranks, process group); models prepared earlier keep the autocast
+    they were prepared with (accelerate builds it at prepare time).
+    """
+    from accelerate.state import AcceleratorState
+
+    current = AcceleratorState._shared_state.get("_mixed_precision")
+    if current is not None and current != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def launcher_mixed_precision() -> str | None:
+    """bf16 or fp16 when an accelerate launcher asked for it (`accelerate launch --mixed_precision`, the
+    config of `ppo train --accelerate-config FILE`), else None. The launcher's 'no' reads as "not set":
+    accelerate writes 'no' when nothing was asked (its default, and our own `--num-processes` launch),
+    so it cannot tell the recipe's 'auto' anything."""
+    value = (os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
+    return None if value == "no" else value

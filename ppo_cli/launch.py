@@ -47,7 +47,8 @@ def launch_command(num_processes: int, ppo_args: list[str], config_file=None) ->
     distributed type, mixed precision and dynamo backend are not overridden; ``num_processes`` > 1
     overrides its process count. Without one: ``num_processes`` data-parallel processes, where
     --multi_gpu selects torchrun-style launching (on a machine without CUDA they talk over gloo:
-    ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe.
+    ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe (train.mixed_precision:
+    the launcher's 'no' reads as "not set", distributed.launcher_mixed_precision).
     """
     launcher = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file is not None:

@@ -12,7 +12,9 @@ LoRA adapts) and which do not. The rest is arithmetic on the recipe:
                  micro_batch_size x (prompt + response) tokens; measured per token and layer for
                  Llama/Qwen-style decoders with SDPA attention (scripts/bench_vs_trl.py plan-check):
                  10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
-                 logits of the response positions (three float32 copies: logits, scaled, gradient)
+                 logits of the response positions (three float32 copies: logits, scaled, gradient);
+                 with train.mixed_precision bf16/fp16 activations take 2 B a value, and
+                 a full fine-tune keeps a half-precision copy of its weights for the update (autocast)
     rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
     runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
                  on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
@@ -168,6 +170,7 @@ class Settings:
     optimizer: str = "adamw"  # optim.name: adamw keeps two moments in the parameter dtype, the 8-bit ones 1 B each
     processes: int = 1  # data-parallel processes (one per GPU); the estimate is per process
     sharding: str = "none"  # none (DDP) | zero2 | zero3 | fsdp (full shard): what is split across processes
+    mixed_precision: str = "no"  # train.mixed_precision resolved: bf16/fp16 autocast computes activations in 2 B
 
 
 @dataclass
@@ -249,7 +252,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
 
     # --- update: activations of one micro-batch, forward kept for the backward
     B, L, T = s.micro_batch, s.prompt_tokens + s.response_tokens, s.response_tokens
-    cb = b[s.dtype]
+    cb = 2.0 if s.mixed_precision != "no" else b[s.dtype]  # autocast: matmul outputs in half precision
     trains_weights = lora is None
     r = lora.r if lora is not None else 0
     if s.gradient_checkpointing:  # layer inputs kept; one layer's activations live during its recompute
@@ -260,6 +263,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
     act = B * L * per_token * cb
     update = [Line("policy", "activations (update)", act / GB, how, "update")]
+    if s.mixed_precision != "no" and trains_weights and b[s.dtype] > 2:
+        # autocast caches the half-precision copy of each trainable weight for the forward and backward
+        update.append(Line("policy", "autocast weight copies (update)", policy.linear_params * 2 / GB,
+                           f"{policy.linear_params / 1e6:.1f}M linear weights x 2 B ({s.mixed_precision})", "update"))
     update += critic.update
     logits = 3 * B * T * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
@@ -271,13 +278,16 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
 
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
-    kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * cb
+    # Keys and values leave RoPE in float32 under autocast (bf16 projections x float32 cos/sin), so
+    # the KV cache keeps the weights' dtype.
+    kvb = b[s.dtype]
+    kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * kvb
     work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * B * T * policy.vocab * 4
     for shape, (dtype, _, batch) in zip(rewards, s.rewards):
         work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
     rollout = [
         Line("rollout", "KV cache", kv / GB,
-             f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {cb:g} B", "rollout"),
+             f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
         Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
     ]
     runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
@@ -407,7 +417,18 @@ def _merge(current: Settings, alt: Settings, base: Settings) -> Settings:
 # --- from a recipe ---------------------------------------------------------------------------------
 
 
-def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settings:
+def planned_mixed_precision(recipe: Recipe, device: str, policy_dtype: str, cpu_native_bf16: bool = False) -> str:
+    """train.mixed_precision as a run on ``device`` would resolve it (engine/precision.py's rule; a
+    CUDA device is assumed to support bf16, a CPU to as ``cpu_native_bf16`` says)."""
+    setting = recipe.train.mixed_precision
+    if setting != "auto":
+        return setting
+    if policy_dtype != "float32":
+        return "no"
+    return "bf16" if device == "cuda" or (device == "cpu" and cpu_native_bf16) else "no"
+
+
+def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, cpu_native_bf16: bool = False) -> Settings:
     def dtype(name: str | None, fallback: str) -> str:
         name = name or fallback
         if name == "auto":
@@ -435,6 +456,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int) -> Settin
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,
+        mixed_precision=planned_mixed_precision(recipe, device, policy_dtype, cpu_native_bf16),
         value_shared=frozen and any(
             c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
             for c in recipe.reward.components if c.loads_model

@@ -199,6 +199,10 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             grad_norm = torch.zeros(()) if grad_norm is None else torch.as_tensor(grad_norm)
             if not torch.isfinite(grad_norm):
                 stats.skipped_steps += 1
+                if accelerator.scaler is not None:
+                    # fp16: the loss scale overflowed; the scaler's step skips the update and lowers
+                    # the scale (without it the scale would stay too high and every step would skip).
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 continue
             stats.grad_norms.append(float(grad_norm))
@@ -293,7 +297,10 @@ class TrainState:
 
 def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
     recipe = engine.recipe
-    dist = dist or Distributed(recipe.train.device)
+    dist = dist or Distributed(recipe.train.device, engine.mixed_precision)
+    if dist.mixed_precision != engine.mixed_precision:
+        raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
+                         f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
     configure_deepspeed(dist.accelerator, recipe.ppo.micro_batch_size, recipe.optim.max_grad_norm)
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(

@@ -49,11 +49,25 @@ def pytest_collection_modifyitems(config, items):
             + "\n  ".join(unmarked))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def float32_unless_asked():
+    """train.mixed_precision auto is bf16 on CPUs with hardware bf16 (engine/precision.py): the tests
+    assert float32 numerics on any machine, so auto means no here; a test that wants bf16 says so.
+    Session-wide, so module- and session-scoped fixtures that load engines see it too."""
+    from ppo_cli.engine import precision
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+        yield
+
+
 def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
-    """--set overrides that point a recipe at the tiny models and a temporary run directory."""
+    """--set overrides that point a recipe at the tiny models and a temporary run directory (float32:
+    train.mixed_precision no, also in subprocesses, which float32_unless_asked does not reach)."""
     sets = {
         "policy.path": str(models / "policy"),
         "output_dir": str(output_dir),
+        "train.mixed_precision": "no",
         "reward.components": (
             "[{type: classifier, path: '%s', labels: {negative: -1.0, neutral: 0.1, positive: 10.0}, "
             "scale_by_confidence: true}]" % (models / "reward")

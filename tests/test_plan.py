@@ -290,3 +290,35 @@ def test_plan_command_per_process(tiny_models, tmp_path):
     assert result.exit_code == 0, result.output
     assert "memory plan (per process of 4, zero3, cpu" in result.output
     assert "policy gathered for generation" in result.output
+
+
+def test_mixed_precision_halves_float32_activations_and_adds_autocast_weight_copies_when_weights_train(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    for lora in (LoraConfig(r=4, alpha=8), None):
+        fp32 = parts(estimate(settings(lora=lora), shape, None, []))
+        bf16 = parts(estimate(settings(lora=lora, mixed_precision="bf16"), shape, None, []))
+        assert bf16["policy", "activations (update)"] == pytest.approx(fp32["policy", "activations (update)"] / 2)
+        assert bf16["policy", "logits (update)"] == fp32["policy", "logits (update)"]  # upcast to float32
+        assert bf16["rollout", "KV cache"] == fp32["rollout", "KV cache"]  # float32 after RoPE
+        assert bf16["policy", "weights"] == fp32["policy", "weights"]  # float32 master weights
+    assert bf16["policy", "autocast weight copies (update)"] == pytest.approx(LINEAR * 2)  # full fine-tune (lora None)
+    lora_bf16 = parts(estimate(settings(mixed_precision="bf16"), shape, None, []))
+    assert ("policy", "autocast weight copies (update)") not in lora_bf16  # frozen base: cast per use, not cached
+
+
+@pytest.mark.parametrize("setting, device, dtype, native, expected", [
+    ("auto", "cuda", "float32", False, "bf16"),
+    ("auto", "cpu", "float32", True, "bf16"),
+    ("auto", "cpu", "float32", False, "no"),
+    ("auto", "cuda", "bfloat16", True, "no"),
+    ("no", "cuda", "float32", True, "no"),
+    ("fp16", "cuda", "float32", False, "fp16"),
+    ("bf16", "cpu", "float32", False, "bf16"),
+])
+def test_plan_resolves_mixed_precision_as_a_run_would(setting, device, dtype, native, expected):
+    from types import SimpleNamespace
+
+    from ppo_cli.memory import planned_mixed_precision
+
+    recipe = SimpleNamespace(train=SimpleNamespace(mixed_precision=setting))
+    assert planned_mixed_precision(recipe, device, dtype, native) == expected

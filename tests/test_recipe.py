@@ -444,3 +444,28 @@ def test_rollout_is_clip_and_sleep_mode_need_the_vllm_backend(tmp_path):
     assert (recipe.generation.backend, recipe.ppo.rollout_is_clip) == ("vllm", 2.0)
     assert load_recipe(write(tmp_path, BASE)).generation.backend == "hf"  # the default: transformers generate
     assert "generation.backend" in error(write(tmp_path, BASE), ["generation.backend=sglang"]).message
+
+
+def test_bad_mixed_precision_lists_allowed_values(tmp_path):
+    path = variant(tmp_path, "  total_updates: 2\n", "  total_updates: 2\n  mixed_precision: fp8\n")
+    err = error(path)
+    assert err.message == f"{path}:18: train.mixed_precision: invalid value 'fp8'"
+    assert err.hint == "allowed values: 'auto', 'no', 'bf16' or 'fp16'"
+
+
+def test_mixed_precision_on_half_precision_weights_is_refused_with_the_choice(tmp_path):
+    path = variant(tmp_path, "  total_updates: 2\n", "  total_updates: 2\n  mixed_precision: bf16\n")
+    path.write_text(path.read_text().replace("  path: tiny/policy\n", "  path: tiny/policy\n  dtype: bfloat16\n"))
+    err = error(path)
+    assert err.message == (f"{path}:19: train.mixed_precision: 'bf16' autocasts float32 weights, but policy.dtype is "
+                           "'bfloat16' (pure half precision already)")
+    assert err.hint == ("set `train.mixed_precision: no` to train in pure half precision, or `policy.dtype: float32` "
+                        "for mixed precision")
+
+
+@pytest.mark.parametrize("setting", ["auto", "no"])
+def test_pure_bf16_weights_validate_with_mixed_precision_auto_or_no(tmp_path, setting):
+    path = variant(tmp_path, "  total_updates: 2\n", f"  total_updates: 2\n  mixed_precision: {setting}\n")
+    path.write_text(path.read_text().replace("  path: tiny/policy\n", "  path: tiny/policy\n  dtype: bfloat16\n"))
+    recipe = load_recipe(path)
+    assert (recipe.policy.dtype, recipe.train.mixed_precision) == ("bfloat16", setting)

@@ -86,7 +86,10 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     if budget is None and device == "cuda" and torch.cuda.is_available():
         budget, source = torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
     prompt_len, note = prompt_tokens(recipe)
-    settings = dataclasses.replace(settings_from_recipe(recipe, device, prompt_len), processes=processes, sharding=sharding)
+    from ppo_cli.engine.precision import cpu_has_native_bf16
+
+    settings = dataclasses.replace(settings_from_recipe(recipe, device, prompt_len, cpu_native_bf16=cpu_has_native_bf16()),
+                                   processes=processes, sharding=sharding)
     shapes = model_shapes(recipe)
     result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note)
     if budget is not None and not result.fits:

@@ -337,6 +337,7 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
         "name": recipe.name, "policy_path": recipe.policy.path, "policy_adapter": recipe.policy.adapter,
         "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
         "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
+        "mixed_precision": state.dist.mixed_precision,
     }
     card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])
     merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
@@ -347,6 +348,7 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     summary = {
         "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step,
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
+        "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved ('auto' made concrete)
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
     if observer is not None:
@@ -404,7 +406,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.memory_errors import phase as memory_phase
     from ppo_cli.trainer import init_state
 
-    dist = Distributed(recipe.train.device)
+    dist = Distributed.for_recipe(recipe)
     check_deepspeed_checkpoints(recipe, dist.uses_deepspeed)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
@@ -412,10 +414,11 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
 
     started = time.perf_counter()
     if dist.is_main:
-        report.console.print(f"loading models for [bold]{recipe.name}[/] ...")
+        precision = "" if dist.mixed_precision == "no" else f" (mixed precision {dist.mixed_precision})"
+        report.console.print(f"loading models for [bold]{recipe.name}[/]{precision} ...")
     try:
         with memory_phase("loading the models"):
-            engine = load_engine(recipe, dist.device)
+            engine = load_engine(recipe, dist.device, dist.mixed_precision)
         if checkpoint is not None:  # before accelerate prepares the models: FSDP shards the loaded weights
             load_policy_and_value(engine.actor_critic, checkpoint)
         state = init_state(engine, prompts, dist)

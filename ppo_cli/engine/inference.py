@@ -20,6 +20,7 @@ from ppo_cli.engine.models import (
     resolve_device,
     resolve_dtype,
 )
+from ppo_cli.engine.precision import check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards import RewardStack
 from ppo_cli.engine.session import Engine, quiet_libraries
 from ppo_cli.errors import ModelLoadError, first_line
@@ -102,7 +103,10 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
         )
         freeze(ref_model)
     actor = InferencePolicy(policy, ref_model, reference_is_policy)
-    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id)
+    # Sampled and scored under the training run's autocast (train.mixed_precision), as its rollouts were.
+    mixed_precision = recipe_mixed_precision(recipe, device)
+    check_mixed_precision(mixed_precision, device)
+    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, mixed_precision=mixed_precision)
 
 
 def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:

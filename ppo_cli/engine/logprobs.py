@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, unwrap_causal_lm
+from ppo_cli.engine.precision import full_precision
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -92,9 +93,11 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows:
 
 
 def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch.Tensor:
-    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32."""
+    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32,
+    also inside a mixed-precision forward (bf16 would round values of +-10 by ~0.04)."""
     head = actor_critic.value_head
-    return head(hidden.to(head.weight.dtype)).squeeze(-1)
+    with full_precision(hidden.device):
+        return head(hidden.to(head.weight.dtype)).squeeze(-1)
 
 
 def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):

@@ -30,6 +30,7 @@ from ppo_cli.engine.models import (
     resolve_device,
     unwrap_causal_lm,
 )
+from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout
@@ -69,10 +70,16 @@ class Engine:
     reward: RewardStack
     stop_token_id: int
     sampler: object | None = None  # vllm_sampler.VllmSampler when generation.backend is vllm
+    # 'no', 'bf16' or 'fp16' (train.mixed_precision resolved): generation and the rollout's forwards
+    # run under the autocast the update's forward gets from accelerate, so the first ratio is 1.
+    mixed_precision: str = "no"
 
     @property
     def pad_token_id(self) -> int:
         return self.tokenizer.pad_token_id
+
+    def autocast(self):
+        return autocast_context(self.mixed_precision, self.device)
 
     def generate(self, prompts: list[str]) -> Generation:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
@@ -92,7 +99,8 @@ class Engine:
             return generation, SamplerLogprobs(logprobs[:, : generation.response_ids.shape[1]])
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
         if not from_generation:
-            return trim_padding(generate(*args)), None
+            with self.autocast():
+                return trim_padding(generate(*args)), None
         generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_reads_policy_hidden)
         generation = trim_padding(generation)
         T = generation.response_ids.shape[1]
@@ -123,13 +131,14 @@ class Engine:
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
             if sampled is None:
-                logits, vals = policy_forward(ac, seq, attn, T, temperature)
+                with self.autocast():
+                    logits, vals = policy_forward(ac, seq, attn, T, temperature)
                 logprobs.append(selective_log_softmax(logits, resp))
                 del logits
             else:
                 logprobs.append(sampled.logprobs[rows])
                 vals = values_from_hidden(ac, sampled.hidden[rows]) if sampled.hidden is not None else None
-            with torch.inference_mode(INFERENCE_MODE):
+            with torch.inference_mode(INFERENCE_MODE), self.autocast():
                 if ac.reference_is_policy:
                     ref = logprobs[-1]
                 else:
@@ -151,11 +160,11 @@ class Engine:
         """Take the old log-probs (and head values) from the generation's own forward passes?
 
         When ppo.rollout_logprobs is 'generation', and only where that is exact to float32 rounding (the
-        KV-cached and the full forward agree to ~1e-6): a float32, unquantized policy. In bfloat16, or
-        through bitsandbytes' single-row kernels, the two differ enough to move the first PPO ratio off
-        1, so those keep the separate forward.
+        KV-cached and the full forward agree to ~1e-6): a float32, unquantized policy without mixed
+        precision. In bfloat16 (weights or autocast), or through bitsandbytes' single-row kernels, the
+        two differ enough to move the first PPO ratio off 1, so those keep the separate forward.
         """
-        if self.recipe.ppo.rollout_logprobs != "generation":
+        if self.recipe.ppo.rollout_logprobs != "generation" or self.mixed_precision != "no":
             return False
         if is_quantized(self.actor_critic.policy):
             return False
@@ -222,11 +231,14 @@ def keep_freed_memory() -> None:
     mallopt(-2, 512 * 2**20)  # M_TOP_PAD: grow the heap in large steps
 
 
-def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
+def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precision: str | None = None) -> Engine:
     """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
-    (accelerate's) device when several processes train, else resolved from train.device."""
+    (accelerate's) device when several processes train, else resolved from train.device;
+    ``mixed_precision`` the run's (Distributed.mixed_precision), else train.mixed_precision resolved."""
     quiet_libraries()
     device = device or resolve_device(recipe.train.device)
+    mixed_precision = mixed_precision or recipe_mixed_precision(recipe, device)
+    check_mixed_precision(mixed_precision, device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
     if device.type == "cpu":
@@ -247,7 +259,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None) -> Engine:
         from ppo_cli.engine.vllm_sampler import VllmSampler
 
         sampler = VllmSampler(recipe, device, actor_critic.policy)
-    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler)
+    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:
