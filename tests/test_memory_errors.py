@@ -82,11 +82,11 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_one_and_resume_works(tiny_
 
     real_save, calls = checkpoint.save_policy_and_value, []
 
-    def save_until_the_disk_fills(ac, tokenizer, directory):
+    def save_until_the_disk_fills(ac, tokenizer, directory, *args, **kwargs):
         calls.append(directory)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(ac, tokenizer, directory)
+        real_save(ac, tokenizer, directory, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_policy_and_value", save_until_the_disk_fills)
     result = _train(tiny_models, tmp_path, **{"train.total_updates": 2, "train.save_every": 1})
