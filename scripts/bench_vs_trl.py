@@ -331,12 +331,16 @@ def cmd_compare(args) -> None:
     resolves to); the order flips every round."""
     out = RESULTS / f"compare-{args.shape}{args.tag}.jsonl"
     modes = [m.strip() for m in args.modes.split(",")]
-    kinds, precisions = value_kinds(args.value_kind), [p.strip() for p in args.precision.split(",")]
+    precisions = [p.strip() for p in args.precision.split(",")]
+    # "model-reward@fp32": that critic at that precision only
+    kind_precisions = {k.split("@")[0]: [k.split("@")[1]] for k in args.value_kind.split(",") if "@" in k}
+    kinds = value_kinds(",".join(k.split("@")[0] for k in args.value_kind.split(",")))
     impls = args.impls.split(",")
     for round_ in range(args.rounds):
         for mode in modes:
             runs = [("trl", None, p) for p in precisions if "trl" in impls]
-            runs += [("ours", k, p) for k in kinds for p in ours_precisions(precisions) if "ours" in impls]
+            runs += [("ours", k, p) for k in kinds for p in ours_precisions(precisions)
+                     if "ours" in impls and p in kind_precisions.get(k, precisions)]
             for impl, kind, precision in runs if round_ % 2 == 0 else runs[::-1]:
                 cfg = bench_config(args, lora=(mode == "lora"), value_kind=kind or "model-reward", seed=args.seed + round_,
                                    lr=args.lr, precision=precision)
