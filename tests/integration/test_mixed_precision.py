@@ -98,3 +98,5 @@ def test_auto_takes_what_the_probe_measured_and_says_so(tiny_models, tmp_path, m
         "cpu": "Seeded CPU", "described": line,
     }
     _assert_finite_with_first_ratio_near_1(metrics)
+    # MFU against the seeded peak (1e9 FLOPs in the chosen precision's update-shaped ms), decode bandwidth
+    assert all(row["perf/mfu_rollout"] > 0 and row["perf/mfu_update"] > 0 and row["perf/decode_gbps"] > 0 for row in metrics)
