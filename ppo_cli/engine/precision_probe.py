@@ -56,6 +56,12 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> Machine:
                    tuple(f for f in RELEVANT_FLAGS if f in flags))
 
 
+def machine_record() -> dict:
+    """What the benchmark scripts record beside every speed figure: the CPU, its bf16/AMX flags, cores, torch."""
+    here = machine()
+    return {"cpu": here.cpu, "cpu_flags": list(here.flags), "cores": os.cpu_count(), "torch": torch.__version__}
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """Milliseconds per probe step (one update-shaped + one decode-shaped Linear forward), best of REPEATS."""
