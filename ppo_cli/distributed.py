@@ -189,26 +189,28 @@ def _unwrap_optimizer(optimizer):
 
 class Distributed(ShardingMixin):
     def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
-                 weights_dtype: torch.dtype = torch.float32):
+                 weights_dtype: torch.dtype = torch.float32, widths: tuple[int, int] | None = None):
         """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
-        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast)."""
+        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast); ``widths``:
+        the policy's (hidden, intermediate), where the CPU probe measures (None: no probe)."""
         from accelerate import Accelerator
 
-        from ppo_cli.engine.precision import check_mixed_precision, resolve_mixed_precision
+        from ppo_cli.engine.precision import PrecisionChoice, check_mixed_precision, resolve_mixed_precision
 
         if launched_with_deepspeed():
             # DeepSpeed casts the engine's model itself, as its accelerate config says (mixed_precision).
             self.accelerator = Accelerator(**deepspeed_accelerator_kwargs())
             load_models_whole(self.accelerator.state.deepspeed_plugin)
             self.mixed_precision = self.accelerator.mixed_precision
+            self.precision = PrecisionChoice(mixed_precision, self.mixed_precision, "the DeepSpeed config")
             return
         # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
         cpu = device_name == "cpu" or not torch.cuda.is_available()
         device = torch.device("cpu" if cpu else "cuda")
-        precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision())
-        check_mixed_precision(precision, device)
-        forget_other_precision(precision)
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=precision)
+        self.precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision(), widths)
+        check_mixed_precision(self.precision.value, device)
+        forget_other_precision(self.precision.value)
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=self.precision.value)
         if cpu and fsdp_requested():
             enable_fsdp_on_cpu(self.accelerator)
         # Kept here: accelerator.mixed_precision reads the process-wide state, which a later
@@ -219,9 +221,11 @@ class Distributed(ShardingMixin):
     def for_recipe(cls, recipe) -> "Distributed":
         """The run's processes and precision as ``recipe`` (train.device, train.mixed_precision) asks."""
         from ppo_cli.engine.models import resolve_device, resolve_dtype
+        from ppo_cli.engine.precision import probe_widths
 
-        weights_dtype = resolve_dtype(recipe.policy.dtype, resolve_device(recipe.train.device))
-        return cls(recipe.train.device, recipe.train.mixed_precision, weights_dtype)
+        device = resolve_device(recipe.train.device)
+        return cls(recipe.train.device, recipe.train.mixed_precision, resolve_dtype(recipe.policy.dtype, device),
+                   probe_widths(recipe, device))
 
     @property
     def rank(self) -> int:

@@ -417,18 +417,9 @@ def _merge(current: Settings, alt: Settings, base: Settings) -> Settings:
 # --- from a recipe ---------------------------------------------------------------------------------
 
 
-def planned_mixed_precision(recipe: Recipe, device: str, policy_dtype: str, cpu_native_bf16: bool = False) -> str:
-    """train.mixed_precision as a run on ``device`` would resolve it (engine/precision.py's rule; a
-    CUDA device is assumed to support bf16, a CPU to as ``cpu_native_bf16`` says)."""
-    setting = recipe.train.mixed_precision
-    if setting != "auto":
-        return setting
-    if policy_dtype != "float32":
-        return "no"
-    return "bf16" if device == "cuda" or (device == "cpu" and cpu_native_bf16) else "no"
+def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_precision: str = "no") -> Settings:
+    """``mixed_precision``: train.mixed_precision resolved (commands/plan.py's planned_precision)."""
 
-
-def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, cpu_native_bf16: bool = False) -> Settings:
     def dtype(name: str | None, fallback: str) -> str:
         name = name or fallback
         if name == "auto":
@@ -456,7 +447,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, cpu_nativ
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,
-        mixed_precision=planned_mixed_precision(recipe, device, policy_dtype, cpu_native_bf16),
+        mixed_precision=mixed_precision,
         value_shared=frozen and any(
             c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
             for c in recipe.reward.components if c.loads_model

@@ -28,6 +28,7 @@ from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import PolicyAndValue, selective_log_softmax
 from ppo_cli.engine.session import Engine
 from ppo_cli.memory_errors import phase as memory_phase
+from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flops
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
@@ -293,6 +294,7 @@ class TrainState:
     episodes: int = 0
     consecutive_skips: int = 0
     last_skip_reason: str | None = None
+    sizes: ModelSizes | None = None  # parameter counts for perf/mfu_* (counted before FSDP shards them)
 
 
 def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
@@ -302,6 +304,7 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
         raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
                          f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
     configure_deepspeed(dist.accelerator, recipe.ppo.micro_batch_size, recipe.optim.max_grad_norm)
+    sizes = engine.model_sizes()
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
         recipe=recipe,
@@ -312,6 +315,7 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
         optimizer=optimizer,
         scheduler=make_scheduler(optimizer, recipe.optim, recipe.train.total_updates),
         kl_controller=make_kl_controller(recipe.ppo),
+        sizes=sizes,
     )
 
 
@@ -363,8 +367,30 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         "time/update_s": seconds - rollout_seconds,
         "time/step_s": seconds,
         "tokens_per_s": generated_tokens / seconds,
+        **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
     })
     return metrics, rollout
+
+
+def perf_metrics(state: TrainState, generation, rollout_seconds: float, update_seconds: float) -> dict[str, float]:
+    """perf/mfu_rollout and perf/mfu_update (against the probe's measured matmul peak; only where the
+    probe ran, on CPU) and perf/decode_gbps (the policy's weights read per decode step / generation time)."""
+    sizes, engine = state.sizes, state.engine
+    if sizes is None:
+        return {}
+    out = {}
+    if engine.generation_seconds > 0:
+        out["perf/decode_gbps"] = decode_gbps(sizes.policy_bytes, generation.response_ids.shape[1], engine.generation_seconds)
+    probe = state.dist.precision.probe
+    if probe is not None:
+        weights = next(engine.actor_critic.policy.parameters()).dtype
+        half = state.dist.mixed_precision != "no" or weights in (torch.bfloat16, torch.float16)
+        peak = probe.peak_flops("bf16" if half else "no")
+        sequence_tokens = generation.sequences.numel()
+        prompt_tokens, generated = int(generation.prompt_mask.sum()), int(generation.response_mask.sum())
+        out["perf/mfu_rollout"] = mfu(rollout_flops(sizes, prompt_tokens, generated, sequence_tokens), rollout_seconds, peak)
+        out["perf/mfu_update"] = mfu(update_flops(sizes, sequence_tokens, state.recipe.ppo.ppo_epochs), update_seconds, peak)
+    return out
 
 
 # What usually makes PPO numbers blow up, and the fix.

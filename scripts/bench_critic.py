@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=TARGET)
     p.add_argument("--timing-shape", default="0.5b-6l", help="the shape whose timing runs price an update")
     args = ap.parse_args(argv)
+    from ppo_cli.engine.precision_probe import machine_record
+
+    print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
     {"curves": cmd_curves, "worker": cmd_worker, "timing": cmd_timing, "cputime": cmd_cputime, "report": cmd_report}[args.command](args)
     return 0
 

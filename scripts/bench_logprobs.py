@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    from ppo_cli.engine.precision_probe import machine_record
+
+    print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print("| vocab | logits MB | log_softmax + gather s | saved MB | gather - logsumexp s | saved MB |")

@@ -175,6 +175,9 @@ def main() -> None:
     cp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     cp.add_argument("--last", type=int, default=10, help="updates at the end to average")
     args = ap.parse_args()
+    from ppo_cli.engine.precision_probe import machine_record
+
+    print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
     (speed if args.command == "speed" else curves)(args)
 
 

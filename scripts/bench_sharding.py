@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora", "full"])
     args = parser.parse_args()
+    from ppo_cli.engine.precision_probe import machine_record
+
+    print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
     print(f"| shape | mode | DDP peak RSS per process (GB) | FSDP peak RSS per process (GB) | FSDP / DDP |")
     print("|---|---|---|---|---|")
     for mode in args.modes:

@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    from ppo_cli.engine.precision_probe import machine_record
+
+    print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
     if (args.model is None) == (args.shape is None):
         ap.error("give --model or --shape")
     path = args.model or build_shape(args.shape, Path(tempfile.gettempdir()) / f"ppo_cli-bench-{args.shape}")

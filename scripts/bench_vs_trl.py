@@ -314,7 +314,10 @@ def run_trl(cfg: dict, tag: str) -> dict:
 
 
 def record(result: dict, cfg: dict, kind: str, path: Path) -> None:
-    result.update(cfg=cfg, kind=kind, load_at_start=result.get("load_at_start"), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    from ppo_cli.engine.precision_probe import machine_record
+
+    result.update(cfg=cfg, kind=kind, load_at_start=result.get("load_at_start"), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  machine=machine_record(), auto_precision=auto_precision(cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(result) + "\n")
@@ -353,15 +356,28 @@ def cmd_compare(args) -> None:
                 print("   ", _brief(result, args.warmup), flush=True)
 
 
-def ours_precisions(precisions: list[str]) -> list[str]:
-    """Ours runs 'native' (train.mixed_precision auto) only where auto is not fp32 already (on CPU it is)."""
+def auto_precision(cfg: dict) -> str:
+    """What train.mixed_precision auto resolves to on this machine at the run's policy widths, with the
+    probe's timings (PrecisionChoice.describe)."""
+    import torch
+
+    from ppo_cli.engine.precision import model_widths, resolve_mixed_precision
+
+    torch.set_num_threads(cfg["threads"])
+    path = shape_paths(cfg["shape"])["policy"]
+    widths = model_widths(str(path)) if Path(path).exists() else None
+    return resolve_mixed_precision("auto", torch.device("cpu"), torch.float32, widths=widths).describe()
+
+
+def ours_precisions(precisions: list[str], widths: tuple[int, int] | None = None) -> list[str]:
+    """Ours runs 'native' (train.mixed_precision auto) only where auto is not fp32 already (the probe decides)."""
     if "native" not in precisions:
         return precisions
     import torch
 
     from ppo_cli.engine.precision import resolve_mixed_precision
 
-    native_is_fp32 = resolve_mixed_precision("auto", torch.device("cpu"), torch.float32) == "no"
+    native_is_fp32 = resolve_mixed_precision("auto", torch.device("cpu"), torch.float32, widths=widths).value == "no"
     return [p for p in precisions if not (p == "native" and native_is_fp32 and "fp32" in precisions)]
 
 
@@ -559,7 +575,9 @@ def _se(values: list[float]) -> str:
 
 
 def cmd_report(args) -> None:
-    print(f"machine: {machine()}\n")
+    from ppo_cli.engine.precision_probe import machine as cpu
+
+    print(f"machine: {machine()}; {cpu().describe()}\n")
     for shape in ("tiny", "0.5b"):
         # compare-{shape}.jsonl, plus -arch (ours with other value kinds) and, for tiny, the curve runs;
         # a later round (-late) gets its own table: the machine's speed drifts over an hour.

@@ -50,24 +50,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def float32_unless_asked():
-    """train.mixed_precision auto is bf16 on CPUs with hardware bf16 (engine/precision.py): the tests
-    assert float32 numerics on any machine, so auto means no here; a test that wants bf16 says so.
-    Session-wide, so module- and session-scoped fixtures that load engines see it too."""
-    from ppo_cli.engine import precision
+def probe_cache(tmp_path_factory):
+    """train.mixed_precision auto probes this machine (engine/precision_probe.py): the suite runs that
+    default for real, with its cache in a fresh directory (also for subprocesses, through the environment).
+    A PPO_CLI_CACHE_DIR already set is kept: seeding it with timings decides what auto picks in a run."""
+    if os.environ.get("PPO_CLI_CACHE_DIR"):
+        yield Path(os.environ["PPO_CLI_CACHE_DIR"])
+        return
+    path = tmp_path_factory.mktemp("ppo_cli_cache")
+    os.environ["PPO_CLI_CACHE_DIR"] = str(path)
+    yield path
+    del os.environ["PPO_CLI_CACHE_DIR"]
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-        yield
 
+def tiny_overrides(models: Path, output_dir: Path, float32: bool = False, **extra) -> list[str]:
+    """--set overrides that point a recipe at the tiny models and a temporary run directory.
 
-def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
-    """--set overrides that point a recipe at the tiny models and a temporary run directory (float32:
-    train.mixed_precision no, also in subprocesses, which float32_unless_asked does not reach)."""
+    train.mixed_precision is the default, auto (the probe decides), although recipes/tiny_sentiment.yaml
+    pins 'no' for its users; ``float32`` pins 'no', for tests that compare float32 numbers across two
+    ways of computing them (bf16 autocast would round them apart)."""
     sets = {
         "policy.path": str(models / "policy"),
         "output_dir": str(output_dir),
-        "train.mixed_precision": "no",
+        "train.mixed_precision": "no" if float32 else "auto",
         "reward.components": (
             "[{type: classifier, path: '%s', labels: {negative: -1.0, neutral: 0.1, positive: 10.0}, "
             "scale_by_confidence: true}]" % (models / "reward")

@@ -60,7 +60,8 @@ def ws(tiny_models: Path, tmp_path_factory) -> Workspace:
         "train.save_every": 1, "train.device": "cpu", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
         "ppo.micro_batch_size": 4, "ppo.ppo_epochs": 1, "generation.max_new_tokens": 12,
     }
-    sets = [x for item in tiny_overrides(tiny_models, root / "runs", **settings) for x in ("--set", item)]
+    # float32: the KL and log-probs are checked against plain float32 forwards to 1e-5.
+    sets = [x for item in tiny_overrides(tiny_models, root / "runs", float32=True, **settings) for x in ("--set", item)]
     ok("train", RECIPE, *sets)
     return Workspace(root, root / "runs" / "tiny", prompts, tiny_models / "policy")
 

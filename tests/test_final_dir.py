@@ -36,7 +36,8 @@ def _engine(policy_path, output_dir, models: Path, **extra):
     from ppo_cli.engine.session import load_engine
 
     sets = {**SMALL, **extra}
-    overrides = tiny_overrides(models, Path(output_dir), **sets)
+    # float32: the saved and merged models must give the trained logits to 1e-5 / 1e-4.
+    overrides = tiny_overrides(models, Path(output_dir), float32=True, **sets)
     overrides = [o for o in overrides if not o.startswith("policy.path=")] + [f"policy.path={policy_path}"]
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", overrides)
     torch.manual_seed(0)

@@ -32,6 +32,7 @@ class PlanResult:
     budget_source: str | None
     suggestions: list[Suggestion] = field(default_factory=list)
     prompt_note: str = ""
+    precision: str = ""  # how train.mixed_precision resolves (PrecisionChoice.describe)
 
     @property
     def fits(self) -> bool | None:
@@ -86,15 +87,29 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     if budget is None and device == "cuda" and torch.cuda.is_available():
         budget, source = torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
     prompt_len, note = prompt_tokens(recipe)
-    from ppo_cli.engine.precision import cpu_has_native_bf16
-
-    settings = dataclasses.replace(settings_from_recipe(recipe, device, prompt_len, cpu_native_bf16=cpu_has_native_bf16()),
-                                   processes=processes, sharding=sharding)
+    settings = settings_from_recipe(recipe, device, prompt_len)
+    precision = planned_precision(recipe, device, getattr(torch, settings.dtype))
+    settings = dataclasses.replace(settings, mixed_precision=precision.value, processes=processes, sharding=sharding)
     shapes = model_shapes(recipe)
-    result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note)
+    result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note,
+                        precision=precision.describe())
     if budget is not None and not result.fits:
         result.suggestions = suggestions(settings, shapes, budget)
     return result
+
+
+def planned_precision(recipe: Recipe, device: str, weights_dtype):
+    """train.mixed_precision as a run on ``device`` would resolve it (engine/precision.py's rule): measured
+    on this machine's CPU or GPU; a plan for a GPU on a machine without one assumes it supports bf16."""
+    import torch
+
+    from ppo_cli.engine.precision import choose_mixed_precision, probe_widths, resolve_mixed_precision
+
+    setting = recipe.train.mixed_precision
+    if device == "cuda" and not torch.cuda.is_available():
+        return choose_mixed_precision(setting, "cuda", weights_dtype, cuda_bf16=True)
+    here = torch.device(device)
+    return resolve_mixed_precision(setting, here, weights_dtype, widths=probe_widths(recipe, here))
 
 
 def set_args(overrides) -> list[str]:
@@ -122,6 +137,7 @@ def render(result: PlanResult):
         table,
         Text(f"micro-batch {s.micro_batch} x ({s.prompt_tokens} prompt tokens [{result.prompt_note}] + "
              f"{s.response_tokens} response tokens); rollout batch {s.rollout_batch}"),
+        *([Text(result.precision)] if result.precision else []),
         Text(f"peak = static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, rollout {est.rollout_gb:.2f}) "
              f"= {est.total_gb:.2f} GB", style="bold"),
     ]

@@ -349,12 +349,21 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
         "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step,
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
         "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved ('auto' made concrete)
+        "mixed_precision_choice": precision_record(state.dist.precision),
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
     if observer is not None:
         summary.update(observer.finish(summary))  # learning-curve plot, warnings, files
     atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
     return summary
+
+
+def precision_record(choice) -> dict:
+    """How train.mixed_precision was resolved, with the probe's timings: for summary.json."""
+    probe = choice.probe
+    timings = {} if probe is None else {"probe_fp32_ms": probe.fp32_ms, "probe_bf16_ms": probe.bf16_ms, "cpu": probe.cpu}
+    return {"setting": choice.setting, "value": choice.value, "reason": choice.reason, **timings,
+            "described": choice.describe()}
 
 
 def advice_from_plan(err, recipe, recipe_path: Path | None, device):
@@ -414,8 +423,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
 
     started = time.perf_counter()
     if dist.is_main:
-        precision = "" if dist.mixed_precision == "no" else f" (mixed precision {dist.mixed_precision})"
-        report.console.print(f"loading models for [bold]{recipe.name}[/]{precision} ...")
+        report.console.print(f"loading models for [bold]{recipe.name}[/] ({dist.precision.describe()}) ...")
     try:
         with memory_phase("loading the models"):
             engine = load_engine(recipe, dist.device, dist.mixed_precision)

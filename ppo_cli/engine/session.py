@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from ppo_cli.engine.chat import tokenize_prompts
@@ -32,6 +34,7 @@ from ppo_cli.engine.models import (
 )
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
+from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout
 
@@ -73,6 +76,7 @@ class Engine:
     # 'no', 'bf16' or 'fp16' (train.mixed_precision resolved): generation and the rollout's forwards
     # run under the autocast the update's forward gets from accelerate, so the first ratio is 1.
     mixed_precision: str = "no"
+    generation_seconds: float = 0.0
 
     @property
     def pad_token_id(self) -> int:
@@ -171,8 +175,24 @@ class Engine:
         head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
         return head is not None and head.weight.dtype == torch.float32
 
+    def model_sizes(self) -> ModelSizes:
+        """Parameter counts of the forwards one update runs (perf.py's MFU); call before FSDP shards them."""
+        ac = self.actor_critic
+        count = lambda model: sum(p.numel() for p in model.parameters()) if model is not None else 0  # noqa: E731
+        policy = count(ac.policy)
+        forwards = 0 if self.reuses_generation_forward() else policy  # old log-probs
+        if not ac.reference_is_policy:
+            forwards += count(ac.ref_model) if ac.ref_model is not None else policy
+        critic = count(ac.value_backbone) or (policy if ac.value_kind == "adapter" else 0)  # the critic's own forward
+        forwards += critic + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
+        trained = policy + (0 if ac.value_features_fixed else critic)
+        weight_bytes = sum(p.numel() * p.element_size() for p in ac.policy.parameters())
+        return ModelSizes(policy, forwards, trained, weight_bytes)
+
     def collect_rollout(self, prompts: list[str]) -> Rollout:
+        started = time.perf_counter()
         generation, sampled = self._generate(prompts, from_generation=self.reuses_generation_forward())
+        self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
         sampler_logprobs = None
         if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
             sampler_logprobs, sampled = sampled.logprobs, None

@@ -60,8 +60,9 @@ def make_recipe(model_dir: Path, output_dir: Path, value_kind: str = "auto", rol
                 "rollout_logprobs": rollout_logprobs},
         "optim": {"lr": 5e-3},
         # Tiny matrices: one thread. Two threads on 2 cores shared with other processes spend ~35x
-        # the CPU time spinning in the thread pool.
-        "train": {"total_updates": 1, "device": "cpu", "num_threads": 1},
+        # the CPU time spinning in the thread pool. float32: the tolerances above are float32 rounding,
+        # and on a CPU where the probe finds bf16 faster, auto would autocast.
+        "train": {"total_updates": 1, "device": "cpu", "num_threads": 1, "mixed_precision": "no"},
     })
 
 

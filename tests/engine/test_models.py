@@ -24,7 +24,8 @@ def make_engine(tiny_models, tmp_path):
     def make(**extra):
         sets = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1,
                 "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8, **extra}
-        recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
+        # float32: these tests hold the engine's log-probs to plain float32 forwards (1e-5, 1e-6).
+        recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, float32=True, **sets))
         torch.manual_seed(0)
         return load_engine(recipe)
 

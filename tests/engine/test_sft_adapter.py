@@ -26,7 +26,8 @@ FULL_FINETUNE = {"policy.lora": "null", "value.kind": "model"}
 
 def _recipe(tiny_models, tmp_path, adapter, **extra):
     sets = {**SMALL, "policy.adapter": str(adapter), **extra}
-    return load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path / "runs", **sets))
+    # float32: log-probs are compared with the plain float32 forward of the merged model (1e-5).
+    return load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path / "runs", float32=True, **sets))
 
 
 def _plain_logprobs(model, generation, temperature: float = 1.0) -> torch.Tensor:

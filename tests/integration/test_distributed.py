@@ -32,7 +32,8 @@ def _train(models: Path, out: Path, *extra: str, **sets) -> subprocess.Completed
         "generation.max_new_tokens": 10, "train.total_updates": 4, "train.save_every": 2, **sets,
     }
     args = [sys.executable, "-m", "ppo_cli", "train", str(ROOT / "recipes/tiny_sentiment.yaml"), "--num-processes", "2"]
-    for item in tiny_overrides(models, out, **settings):
+    # float32: two processes must reproduce one process's metrics to 1e-6.
+    for item in tiny_overrides(models, out, float32=True, **settings):
         args += ["--set", item]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PROMPT_LOG_DIR": str(out)}
     return subprocess.run(args + list(extra), env=env, capture_output=True, text=True, timeout=600)

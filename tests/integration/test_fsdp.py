@@ -34,7 +34,8 @@ def _cmd(models: Path, out: Path, *extra: str, fsdp: bool = True, **sets) -> lis
                 "--main_process_port", str(_free_port()), "-m", "ppo_cli", "train", recipe]
     else:
         args = [sys.executable, "-m", "ppo_cli", "train", recipe, "--num-processes", "2"]
-    for item in tiny_overrides(models, out, **{**SMALL, **sets}):
+    # float32: FSDP is held to DDP's metrics to 1e-5 (AGREES_WITH_DDP).
+    for item in tiny_overrides(models, out, float32=True, **{**SMALL, **sets}):
         args += ["--set", item]
     return args + list(extra)
 

@@ -48,12 +48,12 @@ def _assert_finite_with_first_ratio_near_1(metrics: list[dict]) -> None:
 def test_bf16_then_fp32_in_one_process_each_run_in_the_precision_asked(tiny_models, tmp_path):
     bf16, bf16_summary, output = _train("tiny_sentiment.yaml", tiny_models, tmp_path, "bf16", "bf16")
     assert bf16_summary["mixed_precision"] == "bf16"
-    assert "(mixed precision bf16)" in output
+    assert "mixed precision bf16 (probe: fp32 " in output
     _assert_finite_with_first_ratio_near_1(bf16)
 
     fp32, fp32_summary, output = _train("tiny_sentiment.yaml", tiny_models, tmp_path, "fp32", "no")
     assert fp32_summary["mixed_precision"] == "no"
-    assert "mixed precision" not in output
+    assert "mixed precision no (probe: fp32 " in output
     _assert_finite_with_first_ratio_near_1(fp32)
     # Same seed and prompts (the tiny model samples the same first responses in both): the old
     # log-probs (objective/entropy sums them) differ by bf16's rounding. Were the second run silently
@@ -66,3 +66,37 @@ def test_qlora_trains_under_bf16_autocast(tiny_models, tmp_path):
     metrics, summary, _ = _train("tiny_qlora.yaml", tiny_models, tmp_path, "qlora-bf16", "bf16")
     assert summary["mixed_precision"] == "bf16"
     _assert_finite_with_first_ratio_near_1(metrics)
+
+
+def seed_probe(models: Path, fp32_ms: float, bf16_ms: float) -> None:
+    """Write the probe's answer for the tiny policy's widths into the cache, at the recipe's one thread."""
+    import torch
+
+    from ppo_cli.engine.precision import model_widths
+    from ppo_cli.engine.precision_probe import ProbeResult, cached_probe
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny_sentiment.yaml's train.num_threads: part of the cache key
+    try:
+        seeded = ProbeResult(fp32_ms, bf16_ms, 0.0, 0.0, update_flops=1e9, cpu="Seeded CPU")
+        cached_probe(*model_widths(str(models / "policy")), probe=lambda *_: seeded)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fp32_ms, bf16_ms, expected", [(8.8, 14.5, "no"), (14.5, 8.8, "bf16")])
+def test_auto_takes_what_the_probe_measured_and_says_so(tiny_models, tmp_path, monkeypatch, fp32_ms, bf16_ms, expected):
+    monkeypatch.setenv("PPO_CLI_CACHE_DIR", str(tmp_path / "cache"))
+    seed_probe(tiny_models, fp32_ms, bf16_ms)
+    metrics, summary, output = _train("tiny_sentiment.yaml", tiny_models, tmp_path, f"auto-{expected}", "auto")
+    line = f"mixed precision auto -> {expected} (probe: fp32 {fp32_ms} ms, bf16 {bf16_ms} ms per step on Seeded CPU)"
+    first = " ".join(output.split("...")[0].split())  # rich wraps the first line at the test terminal's width
+    assert first == f"loading models for auto-{expected} ({line})"
+    assert summary["mixed_precision"] == expected
+    assert summary["mixed_precision_choice"] == {
+        "setting": "auto", "value": expected, "reason": "probe", "probe_fp32_ms": fp32_ms, "probe_bf16_ms": bf16_ms,
+        "cpu": "Seeded CPU", "described": line,
+    }
+    _assert_finite_with_first_ratio_near_1(metrics)
+    # MFU against the seeded peak (1e9 FLOPs in the chosen precision's update-shaped ms), decode bandwidth
+    assert all(row["perf/mfu_rollout"] > 0 and row["perf/mfu_update"] > 0 and row["perf/decode_gbps"] > 0 for row in metrics)
