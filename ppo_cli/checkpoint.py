@@ -85,10 +85,12 @@ def without_tied_copies(model: torch.nn.Module, state: dict | None) -> dict | No
 
 
 def part_of(state: dict | None, prefix: str) -> dict | None:
-    """The entries of ``state`` under ``prefix``, named relative to it (None stays None)."""
+    """The entries of ``state`` under ``prefix``, named relative to it; None when there are none (a
+    frozen whole model, left out of the gathered state: read it from its modules)."""
     if state is None:
         return None
-    return {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    part = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    return part or None
 
 
 def critic_dir(directory: Path) -> Path:
@@ -192,7 +194,7 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
 
 def gathered_model_state(state) -> dict | None:
     """With FSDP, the ActorCritic's full state dict (main process; collective), else None."""
-    full = state.dist.full_model_state(state.model)
+    full = state.dist.full_model_state(state.model, trained_only=state.engine.actor_critic.is_peft)
     return part_of(full, "actor_critic.")  # the prepared module is PolicyAndValue(actor_critic)
 
 

@@ -23,7 +23,7 @@ from ppo_cli.recipe_loading import dump_resolved, load_recipe
 # Keys that may change between a run and its resume: how long it runs and how it logs.
 RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
                      "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
-                     "train.num_threads", "monitor.", "logging.")
+                     "train.num_threads", "train.fsdp_rollout", "monitor.", "logging.")
 
 
 @dataclass
@@ -306,6 +306,16 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     return before
 
 
+def _gathered_for(dist, model, eval_prompts):
+    """Whole parameters for the main process's evaluation and final/; under FSDP, final/ is written from
+    the gathered state (full_model_state), so without evaluation nothing is gathered whole."""
+    import contextlib
+
+    if dist.shards_parameters and not eval_prompts:
+        return contextlib.nullcontext()
+    return dist.full_parameters(model)
+
+
 def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None,
             full_state: dict | None = None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
@@ -419,7 +429,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
-        with dist.full_parameters(state.model):  # every process gathers; the main one evaluates alone
+        with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one evaluates alone
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
@@ -431,7 +441,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         raise
 
     full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
-    with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
+    with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one saves final/
         summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
