@@ -118,6 +118,13 @@ def gathered_parameters(model: torch.nn.Module, per_block: bool = False):
     # until the block ends. Each unit's previous setting, to put back.
     reshards = [any(group._reshard_after_forward for group in unit._get_fsdp_state()._fsdp_param_groups)
                 for unit in units]
+    if per_block:
+        # FSDP allocates a unit's gathered tensors at its first unshard; a first unshard inside the
+        # rollout's torch.inference_mode (a value model's forward) would make them inference tensors,
+        # which the update's all-gathers could not write into. Allocate them here, one unit at a time.
+        for unit in _fsdp_units(model):
+            unit.unshard()
+            unit.reshard()
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
