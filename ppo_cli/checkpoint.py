@@ -30,6 +30,8 @@ INFO = "ppo_cli.json"
 CRITIC = "critic"
 VALUE_HEAD = "value_head.safetensors"
 MODEL_CARD = "README.md"
+DEEPSPEED = "deepspeed"  # checkpoints under DeepSpeed: its engine's files, one optimizer shard per process
+DEEPSPEED_TAG = "shards"
 
 
 def _sha256(path: Path) -> str:
@@ -83,10 +85,12 @@ def without_tied_copies(model: torch.nn.Module, state: dict | None) -> dict | No
 
 
 def part_of(state: dict | None, prefix: str) -> dict | None:
-    """The entries of ``state`` under ``prefix``, named relative to it (None stays None)."""
+    """The entries of ``state`` under ``prefix``, named relative to it; None when there are none (a
+    frozen whole model, left out of the gathered state: read it from its modules)."""
     if state is None:
         return None
-    return {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    part = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    return part or None
 
 
 def critic_dir(directory: Path) -> Path:
@@ -94,14 +98,20 @@ def critic_dir(directory: Path) -> Path:
     return directory / CRITIC if (directory / CRITIC).is_dir() else directory
 
 
-@contextlib.contextmanager
-def atomic_directory(target: Path, manifest_info: dict):
-    """Yield a temporary directory beside ``target``; when the block succeeds, write the manifest
-    last and swap it into place. A crash at any moment leaves a complete ``target``: the old one or
-    the new one (replace_directory)."""
+def temporary_beside(target: Path) -> Path:
+    """A new empty directory beside ``target``, to be renamed into its place by atomic_directory."""
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_replaced_directory(target)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, manifest_info: dict, tmp: Path | None = None):
+    """Yield a temporary directory beside ``target``; when the block succeeds, write the manifest
+    last and swap it into place. A crash at any moment leaves a complete ``target``: the old one or
+    the new one (replace_directory). ``tmp``: one made already by temporary_beside (DeepSpeed: every
+    process has written its shard into it)."""
+    tmp = tmp or temporary_beside(target)
     try:
         yield tmp
         write_manifest(tmp, manifest_info)
@@ -169,6 +179,10 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
     """
     final_dir = checkpoints_dir / f"step-{state.step:06d}"
     rng_states = state.dist.gather_objects(rng_state())
+    if state.dist.uses_deepspeed:
+        _save_deepspeed_checkpoint(state, checkpoints_dir, final_dir, rng_states, keep)
+        state.dist.wait()
+        return final_dir
     full_state = gathered_model_state(state)
     optimizer_state = state.dist.full_optimizer_state(state.model, state.optimizer)
     if state.dist.is_main:
@@ -180,15 +194,37 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
 
 def gathered_model_state(state) -> dict | None:
     """With FSDP, the ActorCritic's full state dict (main process; collective), else None."""
-    full = state.dist.full_model_state(state.model)
+    full = state.dist.full_model_state(state.model, trained_only=state.engine.actor_critic.is_peft)
     return part_of(full, "actor_critic.")  # the prepared module is PolicyAndValue(actor_critic)
 
 
+def _save_deepspeed_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int) -> None:
+    """Under DeepSpeed each process holds one shard of the optimizer states (and of the fp32 master
+    weights): every process writes its own with DeepSpeed's save_checkpoint into deepspeed/ of one
+    temporary directory; then the main process writes the usual files and the manifest, and renames
+    it into place. Collective."""
+    dist = state.dist
+    tmp = temporary_beside(final_dir) if dist.is_main else None
+    tmp = Path(dist.gather_objects(tmp)[0])
+    # The weights are in ppo_cli's own files (the frozen base is not saved again).
+    deepspeed_engine(state).save_checkpoint(str(tmp / DEEPSPEED), tag=DEEPSPEED_TAG, save_latest=False,
+                                            exclude_frozen_parameters=True)
+    with dist.full_parameters(state.model):  # ZeRO-3: the trained weights whole, for the main process to write
+        if dist.is_main:
+            _write_checkpoint(state, checkpoints_dir, final_dir, rng_states, keep, None, None, tmp=tmp)
+
+
+def deepspeed_engine(state):
+    return state.dist.accelerator.deepspeed_engine_wrapped.engine
+
+
 def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states: list, keep: int,
-                      full_state: dict | None, optimizer_state: dict) -> None:
+                      full_state: dict | None, optimizer_state: dict | None, tmp: Path | None = None) -> None:
+    """``optimizer_state``: None under DeepSpeed (its shards are in deepspeed/, written in ``tmp``)."""
     previous = latest_checkpoint(checkpoints_dir) if checkpoints_dir.exists() else None
     keeps = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was written"
-    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "checkpoint", "step": state.step}) as tmp:
+    info = {"kind": "checkpoint", "step": state.step}
+    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, info, tmp) as tmp:
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp, full_state)
         training = {"optimizer": optimizer_state, "scheduler": state.scheduler.state_dict(), "rng": rng_states}
         scaler = state.dist.accelerator.scaler  # fp16 mixed precision: the loss scale it has settled on
@@ -230,6 +266,20 @@ def verify_manifest(directory: Path) -> dict:
                 hint="the checkpoint was changed or damaged; resume from another one (--resume PATH)",
             )
     return manifest
+
+
+def check_same_launcher(directory: Path, deepspeed: bool) -> None:
+    """A checkpoint saved under DeepSpeed holds its optimizer shards in DeepSpeed's files, others one
+    torch optimizer state: each resumes only under the launcher that wrote it."""
+    from ppo_cli.errors import CheckpointError
+
+    saved = (directory / DEEPSPEED).is_dir()
+    if saved and not deepspeed:
+        raise CheckpointError(f"{directory} was saved under DeepSpeed; this run is not launched with DeepSpeed",
+                              hint="resume with the --accelerate-config the run was started with")
+    if deepspeed and not saved:
+        raise CheckpointError(f"{directory} was saved without DeepSpeed; this run is launched with DeepSpeed",
+                              hint="resume without --accelerate-config (or with the one the run was started with)")
 
 
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
@@ -308,7 +358,12 @@ def load_training_state(state, directory: Path) -> None:
     # map_location="cpu": accelerate names the CPU "cpu:0" with several processes, which torch.load cannot
     # restore; optimizer.load_state_dict moves each state to its parameter's device anyway.
     training = torch.load(directory / "training_state.pt", map_location="cpu", weights_only=True)
-    if keyed_by_parameter_name(training["optimizer"]):  # written from FSDP's gathered state
+    if state.dist.uses_deepspeed:
+        # The weights went in before prepare(); DeepSpeed restores each process's optimizer shard and
+        # fp32 master weights (custom_load_fn: leave the module as it is).
+        deepspeed_engine(state).load_checkpoint(str(directory / DEEPSPEED), tag=DEEPSPEED_TAG, load_lr_scheduler_states=False,
+                                                custom_load_fn=lambda src, dst: None)
+    elif keyed_by_parameter_name(training["optimizer"]):  # written from FSDP's gathered state
         state.dist.load_full_optimizer_state(state.model, state.optimizer, training["optimizer"])
     else:
         state.optimizer.load_state_dict(training["optimizer"])

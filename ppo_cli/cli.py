@@ -159,15 +159,11 @@ def train(
 
         check_one_process(num_processes)
     if num_processes > 1 or accelerate_config is not None:
-        from ppo_cli.launch import config_uses_deepspeed, launch_train
+        from ppo_cli.launch import launch_train
 
         if accelerate_config is not None and not accelerate_config.is_file():
             raise UsageError(f"accelerate config not found: {accelerate_config}",
                              hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
-        if accelerate_config is not None and config_uses_deepspeed(accelerate_config):
-            from ppo_cli.commands.train import check_deepspeed_checkpoints
-
-            check_deepspeed_checkpoints(resolved, uses_deepspeed=True)  # once here, not once per process
         raise typer.Exit(launch_train(num_processes, ctx.find_root().obj["argv"], accelerate_config))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid

@@ -22,9 +22,11 @@ import torch
 #  - frozen whole models (the full fine-tune's reference copy, a frozen value model that may be the
 #    reward model's) stay out of the sharded module: they are called directly, outside its forward;
 #  - the rollout calls the causal LM directly (generate, log-probs, values), so FSDP's root forward
-#    hook never runs and parameters outside a wrapped block would stay sharded: full_parameters()
-#    gathers them all once for the rollout (also one all-gather per block, not one per decoded token);
-#  - checkpoints hold the full, gathered state (collectives: every process calls them).
+#    hook never runs and parameters outside a wrapped block would stay sharded: rollout_parameters()
+#    gathers those, and each block gathers its own in its forward (train.fsdp_rollout: per_block), or
+#    it gathers them all once (gathered: one all-gather per block per rollout, the whole policy held);
+#  - checkpoints and final/ hold the full, gathered state of what trains (collectives: every process
+#    calls them); a LoRA run gathers its adapters and head, never the frozen base.
 
 
 def fsdp_requested() -> bool:
@@ -97,13 +99,18 @@ def _fsdp_units(model: torch.nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def gathered_parameters(model: torch.nn.Module):
+def gathered_parameters(model: torch.nn.Module, per_block: bool = False):
     """Every FSDP unit of ``model`` unsharded (full parameters on every process) for the block.
 
     Collective: every process enters it. Inside, forwards of the model's parts need no communication
     (a process may run one alone, e.g. the main process's evaluation).
+
+    ``per_block``: only the root unit (what no block holds: embeddings, final norm, value head) is
+    unsharded; each block all-gathers its weights in its own forward and frees them after. Every
+    process must then run the same forwards: generate() runs in step (transformers' synced_gpus,
+    which it turns on for a model marked as FSDP-managed) until every process has finished.
     """
-    units = _fsdp_units(model)
+    units = [model] if per_block else _fsdp_units(model)
     # FSDP2 takes the first module to run forward as its root; the rollout runs the blocks before any
     # forward of the root, so settle the root first (torch 2.13: private, no public equivalent).
     model._get_fsdp_state()._lazy_init()
@@ -111,15 +118,36 @@ def gathered_parameters(model: torch.nn.Module):
     # until the block ends. Each unit's previous setting, to put back.
     reshards = [any(group._reshard_after_forward for group in unit._get_fsdp_state()._fsdp_param_groups)
                 for unit in units]
+    if per_block:
+        # FSDP allocates a unit's gathered tensors at its first unshard; a first unshard inside the
+        # rollout's torch.inference_mode (a value model's forward) would make them inference tensors,
+        # which the update's all-gathers could not write into. Allocate them here, one unit at a time.
+        for unit in _fsdp_units(model):
+            unit.unshard()
+            unit.reshard()
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
+    managed = _marked_fsdp_managed(model) if per_block else []
     try:
         yield
     finally:
+        for module in managed:
+            del module._is_fsdp_managed_module
         for unit, reshard in zip(units, reshards):
             unit.reshard()
             unit.set_reshard_after_forward(reshard, recurse=False)
+
+
+def _marked_fsdp_managed(model: torch.nn.Module) -> list:
+    """Mark the transformers models under ``model`` as FSDP-managed (the attribute transformers' own
+    FSDP2 setup sets), so generate() steps in sync across processes. Returns the modules marked."""
+    from transformers import PreTrainedModel
+
+    marked = [m for m in model.modules() if isinstance(m, PreTrainedModel) and not hasattr(m, "_is_fsdp_managed_module")]
+    for module in marked:
+        module._is_fsdp_managed_module = True
+    return marked
 
 
 def full_state_options():
@@ -151,19 +179,32 @@ class ShardingMixin:
             return gathered_parameters(model)
         return zero3_gathered(self.accelerator)
 
+    def rollout_parameters(self, model: torch.nn.Module, fsdp_rollout: str = "gathered"):
+        """full_parameters for the rollout, which every process runs in step: under FSDP with
+        ``fsdp_rollout`` per_block, only what the blocks do not hold is gathered (see gathered_parameters)."""
+        if self.shards_parameters and self.world_size > 1:
+            return gathered_parameters(model, per_block=fsdp_rollout == "per_block")
+        return self.full_parameters(model)
+
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor | None:
         """accelerator.clip_grad_norm_, the total norm as a plain tensor (FSDP returns a DTensor)."""
         norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def full_model_state(self, model: torch.nn.Module) -> dict | None:
+    def full_model_state(self, model: torch.nn.Module, trained_only: bool = False) -> dict | None:
         """FSDP: the full state dict (names as in the unwrapped model) on the main process, {} on the
-        others; None without sharding (save from the modules). Collective."""
+        others; None without sharding (save from the modules). Collective. ``trained_only``: only the
+        parameters that train (a LoRA run's adapters and head: the frozen base is never gathered);
+        the savers read frozen whole models from their modules. Frozen whole models are left out."""
         if not self.shards_parameters:
             return None
+        import dataclasses
+
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(model, options=full_state_options())
+        options = dataclasses.replace(full_state_options(), ignore_frozen_params=trained_only)
+        with without_frozen_models(model):
+            return get_model_state_dict(model, options=options)
 
     def full_optimizer_state(self, model: torch.nn.Module, optimizer) -> dict | None:
         """FSDP: the full optimizer state, keyed by parameter name, on the main process; None without

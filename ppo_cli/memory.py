@@ -171,6 +171,7 @@ class Settings:
     processes: int = 1  # data-parallel processes (one per GPU); the estimate is per process
     sharding: str = "none"  # none (DDP) | zero2 | zero3 | fsdp (full shard): what is split across processes
     mixed_precision: str = "no"  # train.mixed_precision resolved: bf16/fp16 autocast computes activations in 2 B
+    fsdp_per_block: bool = False  # FSDP never gathers the whole policy: rollout per block, no evaluation
 
 
 @dataclass
@@ -331,8 +332,18 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     if full_shard:
         weights = sum(line.gb for line in lines if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
         gathered = weights - sum(line.gb for line in out if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
-        rollout = rollout + [Line("rollout", "policy gathered for generation", gathered,
-                                  f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")]
+        if s.sharding == "fsdp" and s.fsdp_per_block:
+            # What no block holds (embeddings, final norm; the linear layers are all in blocks) stays
+            # gathered; one block at a time is whole.
+            linear = policy.linear_params / policy.total_params
+            outside, block = gathered * (1 - linear), weights * linear / policy.layers
+            line = Line("rollout", "policy gathered for generation", outside + block,
+                        f"the other {n - 1} processes' shards of the weights outside the blocks, and one "
+                        "block whole at a time (train.fsdp_rollout: per_block)", "rollout")
+        else:
+            line = Line("rollout", "policy gathered for generation", gathered,
+                        f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")
+        rollout = rollout + [line]
         update = update + [Line("policy", "one layer gathered (update)", weights / policy.layers,
                                 f"policy weights / {policy.layers} layers, gathered layer by layer", "update")]
     return out, update, rollout
@@ -448,6 +459,8 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,
         mixed_precision=mixed_precision,
+        # The main process evaluates alone, on the whole policy gathered for it.
+        fsdp_per_block=recipe.train.fsdp_rollout == "per_block" and not recipe.data.eval_prompts,
         value_shared=frozen and any(
             c.path == value_model_path(recipe) and dtype(c.dtype, "float32") == value_dtype and c.quantization == "none"
             for c in recipe.reward.components if c.loads_model

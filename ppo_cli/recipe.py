@@ -354,6 +354,14 @@ class TrainConfig(Section):
     max_consecutive_skips: int = Field(
         3, gt=0, description="Stop after this many updates in a row skipped for non-finite numbers."
     )
+    fsdp_rollout: Literal["per_block", "gathered"] = Field(
+        "per_block",
+        description="Under FSDP (an accelerate config with distributed_type FSDP): per_block keeps the rollout "
+        "sharded, each decoder block gathering its weights for its own forward and freeing them after (one block "
+        "whole at a time, one all-gather per block per decoded token); gathered unshards the whole policy on every "
+        "process once per rollout (fewer, larger all-gathers; the whole policy in memory). Same numbers either way; "
+        "peak memory per process measured in docs/benchmarks.md. Ignored without FSDP.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -327,7 +327,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
     size, dist = recipe.ppo.rollout_batch_size, state.dist
     prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
-    with memory_phase("sampling and scoring the rollout"), dist.full_parameters(state.model):
+    with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
         rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
 

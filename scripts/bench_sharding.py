@@ -4,11 +4,13 @@
     python scripts/bench_sharding.py --shape 0.5b --modes lora    # the Qwen2.5-0.5B shape (random weights)
 
 Each configuration is one `ppo train` of 2 updates under `accelerate launch` (DDP: --multi_gpu, as
-`ppo train --num-processes 2` launches; FSDP: recipes/accelerate/fsdp.yaml). Every training process
-runs through this file (`_rank`), which records its own peak RSS (getrusage ru_maxrss) at exit;
-the figures are the two processes' peaks and their ratio FSDP / DDP. Models: the tiny review LM
+`ppo train --num-processes 2` launches; FSDP: recipes/accelerate/fsdp.yaml, with the rollout per block
+(train.fsdp_rollout: per_block, the default) and gathered whole). Every training process runs through
+this file (`_rank`), which records its own peak RSS (getrusage ru_maxrss) at exit; the figures are
+the two processes' peaks, their ratio FSDP / DDP, and the rollout seconds per update (the mean over
+both updates, of rank 0; wall-clock, so only comparable within one quiet run). Models: the tiny review LM
 (PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python scripts/bench_vs_trl.py models`
-(.cache/bench/0.5b, reward model of the same shape). Run on a quiet machine: the 0.5B shape with
+(.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
 LoRA needs about 2 x 6 GB. Never imported by ppo_cli or its tests.
 """
 
@@ -55,7 +57,7 @@ def _models(shape: str) -> tuple[Path, Path, str]:
     if shape == "tiny":
         tiny = Path(os.environ.get("PPO_TINY_MODELS", ROOT / "models/tiny"))
         return tiny / "policy", tiny / "reward", "classifier"
-    big = ROOT / ".cache/bench/0.5b"
+    big = Path(os.environ.get("PPO_BENCH_CACHE", ROOT / ".cache/bench")) / "0.5b"
     if not (big / "reward/config.json").exists():
         sys.exit(f"{big} is missing: run python scripts/bench_vs_trl.py models first")
     return big / "policy", big / "reward", "model"
@@ -76,37 +78,50 @@ def _settings(shape: str, mode: str, out: Path) -> list[str]:
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
 
-def measure(shape: str, strategy: str, mode: str) -> list[float]:
-    """Peak RSS (GB) of each of the 2 processes of one run."""
+def measure(shape: str, strategy: str, mode: str) -> tuple[list[float], float]:
+    """Peak RSS (GB) of each of the 2 processes of one run, and its rollout seconds per update."""
     with tempfile.TemporaryDirectory(prefix="bench-sharding-") as tmp:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
-        if strategy == "fsdp":
+        if strategy.startswith("fsdp"):
             launcher += ["--config_file", str(FSDP_CONFIG)]
         else:  # what `ppo train --num-processes 2` launches (ppo_cli/launch.py)
             launcher += ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                          "--dynamo_backend", "no"]
         recipe = ROOT / "recipes/tiny_sentiment.yaml"
-        args = [*launcher, __file__, "_rank", tmp, "train", str(recipe), *_settings(shape, mode, Path(tmp) / "runs")]
+        rollout = ["--set", "train.fsdp_rollout=gathered"] if strategy == "fsdp-gathered" else []
+        args = [*launcher, __file__, "_rank", tmp, "train", str(recipe), *_settings(shape, mode, Path(tmp) / "runs"),
+                *rollout]
         result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
         if result.returncode != 0:
             sys.exit(f"{shape} {strategy} {mode} failed:\n{result.stderr[-3000:]}")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_rss_gb"] for r in (0, 1)]
+        metrics = [json.loads(line) for line in next(Path(tmp, "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
+        seconds = sum(m["time/rollout_s"] for m in metrics) / len(metrics)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_rss_gb"] for r in (0, 1)], seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora", "full"])
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                        help="ddp first: the ratios are to it")
     args = parser.parse_args()
     from ppo_cli.engine.precision_probe import machine_record
 
     print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
-    print(f"| shape | mode | DDP peak RSS per process (GB) | FSDP peak RSS per process (GB) | FSDP / DDP |")
-    print("|---|---|---|---|---|")
+    print("| shape | mode | strategy | peak RSS per process (GB, rank 0 / 1) | / DDP | rollout s per update |")
+    print("|---|---|---|---|---|---|")
     for mode in args.modes:
-        ddp, fsdp = measure(args.shape, "ddp", mode), measure(args.shape, "fsdp", mode)
-        fmt = lambda peaks: " / ".join(f"{p:.2f}" for p in peaks)  # noqa: E731
-        print(f"| {args.shape} | {mode} | {fmt(ddp)} | {fmt(fsdp)} | {max(fsdp) / max(ddp):.2f} |", flush=True)
+        ddp = None
+        for strategy in args.strategies:
+            peaks, seconds = measure(args.shape, strategy, mode)
+            ddp = max(peaks) if strategy == "ddp" else ddp
+            ratio = f"{max(peaks) / ddp:.2f}" if ddp else "-"
+            print(f"| {args.shape} | {mode} | {strategy} | {' / '.join(f'{p:.2f}' for p in peaks)} | {ratio} | "
+                  f"{seconds:.1f} |", flush=True)
+
+
+STRATEGIES = ("ddp", "fsdp", "fsdp-gathered")
 
 
 if __name__ == "__main__":

@@ -375,15 +375,6 @@ def test_ppo_train_forwards_options_it_does_not_know_about(monkeypatch, tmp_path
     assert launched["command"][command.index("ppo_cli") + 1:] == ["train", recipe, "--overwrite", "--set", "seed=4"]
 
 
-def test_deepspeed_with_checkpoints_is_refused_before_launching(tmp_path):
-    result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--set", "train.save_every=5",
-                  "--accelerate-config", str(ROOT / "recipes" / "accelerate" / "deepspeed_zero2.yaml"))
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[0] == ("error: train.save_every (5) is not supported with DeepSpeed: its optimizer "
-                                             "states are sharded across processes and a checkpoint would hold one shard")
-    assert result.stderr.splitlines()[1].startswith("hint: set --set train.save_every=0")
-
-
 def test_a_missing_accelerate_config_is_one_line():
     result = _ppo("train", str(ROOT / "recipes" / "tiny_sentiment.yaml"), "--accelerate-config", "nowhere.yaml")
     assert result.returncode == 2

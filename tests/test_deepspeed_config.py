@@ -74,3 +74,21 @@ def test_the_repos_deepspeed_configs_launch_deepspeed():
     assert config_uses_deepspeed(accelerate_configs / "deepspeed_zero2.yaml")
     assert config_uses_deepspeed(accelerate_configs / "deepspeed_zero3.yaml")
     assert not config_uses_deepspeed(accelerate_configs / "multi_gpu_ddp.yaml")
+
+
+def test_a_checkpoint_resumes_only_under_the_launcher_that_wrote_it(tmp_path):
+    """DeepSpeed's optimizer shards (deepspeed/) and a torch optimizer state do not stand in for each other."""
+    from ppo_cli.checkpoint import check_same_launcher
+    from ppo_cli.errors import CheckpointError
+
+    plain, sharded = tmp_path / "step-000002", tmp_path / "ds" / "step-000002"
+    plain.mkdir()
+    (sharded / "deepspeed").mkdir(parents=True)
+    check_same_launcher(plain, deepspeed=False)
+    check_same_launcher(sharded, deepspeed=True)
+    with pytest.raises(CheckpointError) as err:
+        check_same_launcher(sharded, deepspeed=False)
+    assert err.value.message == f"{sharded} was saved under DeepSpeed; this run is not launched with DeepSpeed"
+    with pytest.raises(CheckpointError) as err:
+        check_same_launcher(plain, deepspeed=True)
+    assert err.value.message == f"{plain} was saved without DeepSpeed; this run is launched with DeepSpeed"

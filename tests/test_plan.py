@@ -261,6 +261,17 @@ def test_zero3_and_fsdp_also_split_the_policy_and_gather_it_to_generate(model_di
                                    + RUNTIME_GB["cpu"] * GB)
 
 
+def test_fsdp_per_block_rollout_gathers_what_no_block_holds_and_one_block(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    p = parts(estimate(full_finetune(processes=4, sharding="fsdp", fsdp_per_block=True), shape, None, [reward]))
+    # Outside the blocks: (6352 - 4608 linear weights) x 4 B, the other 3 quarters; one block: 4608 / 2 layers x 4 B.
+    assert p["rollout", "policy gathered for generation"] == pytest.approx((TOTAL - LINEAR) * 4 * 3 / 4 + LINEAR * 4 / 2)
+    # ZeRO-3 (DeepSpeed's gather for generation) has no per-block rollout.
+    z3 = parts(estimate(full_finetune(processes=4, sharding="zero3", fsdp_per_block=True), shape, None, [reward]))
+    assert z3["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 4 * 3 / 4)
+
+
 def test_a_quantized_policy_base_stays_whole_under_zero3(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     lora = LoraConfig(r=4, alpha=8)

@@ -40,6 +40,8 @@ def test_part_of_names_entries_relative_to_the_prefix():
     assert part_of(state, "policy.") == {"a.weight": 1}
     assert part_of(state, "value_head.") == {"bias": 3}
     assert part_of(None, "policy.") is None
+    # Nothing under the prefix (a frozen whole model, never gathered): None, so savers read the modules.
+    assert part_of(state, "value_backbone.") is None
 
 
 def test_without_tied_copies_drops_the_second_name_of_tied_weights_only():

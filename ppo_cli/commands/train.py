@@ -23,7 +23,7 @@ from ppo_cli.recipe_loading import dump_resolved, load_recipe
 # Keys that may change between a run and its resume: how long it runs and how it logs.
 RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
                      "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
-                     "train.num_threads", "monitor.", "logging.")
+                     "train.num_threads", "train.fsdp_rollout", "monitor.", "logging.")
 
 
 @dataclass
@@ -99,7 +99,7 @@ def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
 
 def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
     """The checkpoint to resume: 'latest' (or the run directory) or one checkpoints/step-N of this run."""
-    from ppo_cli.checkpoint import latest_checkpoint, verify_manifest
+    from ppo_cli.checkpoint import check_same_launcher, latest_checkpoint, verify_manifest
     from ppo_cli.runs import RunDir
 
     run = RunDir(recipe.run_dir)
@@ -126,6 +126,9 @@ def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
             raise UsageError(f"{resume} is not a checkpoint of run {run.path}",
                              hint="resume with the recipe (name, output_dir) of the run it belongs to")
     verify_manifest(checkpoint)
+    from ppo_cli.distributed import launched_with_deepspeed
+
+    check_same_launcher(checkpoint, launched_with_deepspeed())
     if not run.recipe.exists():
         raise CheckpointError(f"{run.recipe} is missing, so the run cannot be resumed safely")
     differences = recipe_differences(load_recipe(run.recipe), recipe)
@@ -258,12 +261,9 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
                 due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
                 # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
                 # The last update is checkpointed too when due, so raising total_updates resumes after it.
-                if due and state.consecutive_skips == 0 and not state.dist.uses_deepspeed:
+                if due and state.consecutive_skips == 0:
                     save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
                 if stopping and not last:
-                    if state.dist.uses_deepspeed:
-                        raise Interrupted(f"interrupted after update {state.step}; no checkpoint (DeepSpeed)",
-                                          hint="checkpoints are not written under DeepSpeed; start the run again")
                     raise Interrupted(
                         f"interrupted after update {state.step}; checkpoint saved",
                         hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
@@ -273,18 +273,6 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
             if writer is not None:
                 writer.close()
     return observer
-
-
-def check_deepspeed_checkpoints(recipe: Recipe, uses_deepspeed: bool) -> None:
-    """Under DeepSpeed each process holds one shard of the optimizer states, and ppo_cli's checkpoints
-    save the main process's optimizer.state_dict(): resuming from one would be silently wrong."""
-    if uses_deepspeed and recipe.train.save_every:
-        raise UsageError(
-            f"train.save_every ({recipe.train.save_every}) is not supported with DeepSpeed: its optimizer "
-            "states are sharded across processes and a checkpoint would hold one shard",
-            hint="set --set train.save_every=0 (final/ is still saved), or train with DDP (no --accelerate-config) "
-                 "to keep resumable checkpoints",
-        )
 
 
 def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
@@ -316,6 +304,16 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     before = evaluate(engine, eval_prompts, recipe.seed)
     atomic_write_text(path, json.dumps(before, indent=2))
     return before
+
+
+def _gathered_for(dist, model, eval_prompts):
+    """Whole parameters for the main process's evaluation and final/; under FSDP, final/ is written from
+    the gathered state (full_model_state), so without evaluation nothing is gathered whole."""
+    import contextlib
+
+    if dist.shards_parameters and not eval_prompts:
+        return contextlib.nullcontext()
+    return dist.full_parameters(model)
 
 
 def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None,
@@ -416,7 +414,6 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     from ppo_cli.trainer import init_state
 
     dist = Distributed.for_recipe(recipe)
-    check_deepspeed_checkpoints(recipe, dist.uses_deepspeed)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -440,7 +437,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
-        with dist.full_parameters(state.model):  # every process gathers; the main one evaluates alone
+        with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one evaluates alone
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
@@ -452,7 +449,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         raise
 
     full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
-    with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
+    with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one saves final/
         summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -1,18 +1,23 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 through `ppo train --accelerate-config recipes/accelerate/deepspeed_zero*.yaml`,
-two CPU processes over gloo (DeepSpeed's CPU accelerator). Skipped where deepspeed is not installed:
-scripts/deepspeed_test.sh makes a venv with it and runs these."""
+two CPU processes over gloo (DeepSpeed's CPU accelerator): training, and checkpoints with exact resume
+(SIGKILL, Ctrl-C). Skipped where deepspeed is not installed: scripts/deepspeed_test.sh makes a venv with
+it and runs these."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 from tests.conftest import ROOT, tiny_overrides
 
@@ -39,9 +44,9 @@ def _every_parameter_partitioned(out: Path) -> Path:
     return config
 
 
-def _train(models: Path, out: Path, config: str, **sets) -> subprocess.CompletedProcess:
+def _command(models: Path, out: Path, config: str, *extra: str, **sets) -> list[str]:
     settings = {
-        "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+        "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1, "ppo.ppo_epochs": 1,
         "ppo.max_kl": "null", "generation.max_new_tokens": 8, "train.total_updates": 2, "optim.max_grad_norm": 0.5,
         **sets,
@@ -51,8 +56,16 @@ def _train(models: Path, out: Path, config: str, **sets) -> subprocess.Completed
                                        else _every_parameter_partitioned(out)), "--num-processes", "2"]
     for item in tiny_overrides(models, out, **settings):
         args += ["--set", item]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    return args + list(extra)
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(models: Path, out: Path, config: str, *extra: str, **sets) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(models, out, config, *extra, **sets), env=_env(), capture_output=True, text=True,
+                          timeout=600)
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -80,9 +93,101 @@ def test_deepspeed_trains_with_two_cpu_processes(tiny_models, tmp_path, config):
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
-def test_deepspeed_refuses_checkpoints_in_one_line(tiny_models, tmp_path):
-    result = _train(tiny_models, tmp_path, "deepspeed_zero2.yaml", **{"train.save_every": 1})
-    assert result.returncode == 2  # refused by the launcher, before any process starts
-    assert ("error: train.save_every (1) is not supported with DeepSpeed: its optimizer states are sharded "
-            "across processes and a checkpoint would hold one shard") in result.stderr
-    assert "Traceback" not in result.stderr
+# --- checkpoints and exact resume -----------------------------------------------------------------
+
+RESUMABLE = {"train.total_updates": 4, "train.save_every": 2}
+COMPARED_EXACTLY = 1e-6  # a resumed run against the uninterrupted one
+STAGES = ["deepspeed_zero2.yaml", "zero3, every parameter partitioned"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """config -> the run directory of 4 uninterrupted updates (checkpoints at 2 and 4), made on first use."""
+    runs = {}
+
+    def get(config: str) -> Path:
+        if config not in runs:
+            out = tmp_path_factory.mktemp("uninterrupted")
+            result = _train(tiny_models, out, config, **RESUMABLE)
+            assert result.returncode == 0, result.stderr[-4000:]
+            runs[config] = out / "tiny-sentiment"
+        return runs[config]
+    return get
+
+
+def _training_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The launched `ppo train` processes (the leaves under the launcher; torchrun starts them in
+    sessions of their own, so a signal to the launcher's group does not reach them)."""
+    tree = psutil.Process(launcher.pid).children(recursive=True)
+    return [p for p in tree if "ppo_cli" in " ".join(p.cmdline()) and not p.children()]
+
+
+def _wait_for(condition, proc: subprocess.Popen, seconds: float = 400) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _assert_resumed_equals(run: Path, want: Path) -> None:
+    got_metrics, want_metrics = _metrics(run), _metrics(want)
+    assert [m["step"] for m in got_metrics] == [1, 2, 3, 4] == [m["step"] for m in want_metrics]
+    for got, expected in zip(got_metrics, want_metrics):
+        for key, value in expected.items():
+            if key.startswith("time/") or key == "tokens_per_s" or not isinstance(value, (int, float)):
+                continue  # wall-clock figures differ from run to run
+            assert got[key] == pytest.approx(value, abs=COMPARED_EXACTLY), (got["step"], key)
+    for name in ("adapter_model.safetensors", "critic/value_head.safetensors"):
+        got, expected = load_file(run / "final" / name), load_file(want / "final" / name)
+        assert sorted(got) == sorted(expected)
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= COMPARED_EXACTLY, name
+    # The held-out evaluation after training samples the same responses from the same weights.
+    got_eval, want_eval = (json.loads((r / "eval.json").read_text())["after"] for r in (run, want))
+    assert [s["response"] for s in got_eval["samples"]] == [s["response"] for s in want_eval["samples"]]
+    assert got_eval["score"] == pytest.approx(want_eval["score"], abs=COMPARED_EXACTLY)
+    assert not [p for p in run.rglob(".*") if p.name.startswith((".step-", ".final-"))]
+
+
+@pytest.mark.parametrize("config", STAGES)
+def test_deepspeed_sigkill_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(
+        tiny_models, tmp_path, uninterrupted, config):
+    run = tmp_path / "tiny-sentiment"
+    proc = subprocess.Popen(_command(tiny_models, tmp_path, config, **RESUMABLE), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: (run / "checkpoints/step-000002/manifest.json").exists(), proc)
+    for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        process.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final").exists()
+    # One optimizer shard per process, written by each into the checkpoint, and listed in its manifest.
+    manifest = json.loads((run / "checkpoints/step-000002/manifest.json").read_text())
+    assert len([name for name in manifest["files"] if name.startswith("deepspeed/") and "optim_states" in name]) == 2
+    resumed = _train(tiny_models, tmp_path, config, "--resume", **RESUMABLE)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+    _assert_resumed_equals(run, uninterrupted(config))
+
+
+def test_deepspeed_ctrl_c_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_path, uninterrupted):
+    config = "zero3, every parameter partitioned"
+    run = tmp_path / "tiny-sentiment"
+    sets = {**RESUMABLE, "train.save_every": 0}
+    proc = subprocess.Popen(_command(tiny_models, tmp_path, config, **sets), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1, proc)
+    for process in _training_processes(proc):  # Ctrl-C in a terminal reaches every process
+        process.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode != 0
+    assert "checkpoint saved" in stderr and "--resume" in stderr, stderr[-3000:]
+    assert stderr.count("error: interrupted after update") == 2  # one line from each process
+    # accelerate's launcher prints its own traceback (ChildFailedError) when a process exits non-zero;
+    # none comes from ppo_cli's code.
+    assert f'File "{ROOT / "ppo_cli"}' not in stderr, stderr[-3000:]
+    saved = sorted((run / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and (saved[0] / "manifest.json").exists() and not (run / "final").exists()
+    resumed = _train(tiny_models, tmp_path, config, "--resume", **sets)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _assert_resumed_equals(run, uninterrupted(config))
+
