@@ -182,3 +182,17 @@ def test_a_classifier_reward_keeps_its_own_forward(tiny_models, tmp_path):
         tiny_models, tmp_path, **{"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false"}))
     engine = load_engine(recipe)
     assert engine.actor_critic.value_features_fixed and engine.shared_reward is None
+
+
+@pytest.mark.slow
+def test_a_training_step_reads_the_shared_forwards_features(tiny_models, tmp_path):
+    """The update reuses the features the shared forward computed (no critic forward) and trains."""
+    from ppo_cli.trainer import init_state, train_step
+
+    engine = _engine(tiny_models, tmp_path, float32=False, **{"ppo.ppo_epochs": 1})
+    calls = _count_forwards(engine)
+    state = init_state(engine, PROMPTS)
+    head_before = engine.actor_critic.value_head.weight.detach().clone()
+    train_step(state)
+    assert calls == {"reward model": 0, "backbone": 2}  # the rollout's two micro-batches, nothing in the update
+    assert not torch.equal(head_before, engine.actor_critic.value_head.weight)
