@@ -144,17 +144,22 @@ class ModelScorer:
                 )
         return [p + r for p, r in zip(prompts, responses)]
 
+    def _tokenize(self, texts: list[str], **kwargs):
+        # A chat template writes its own special tokens; adding them again would double the BOS.
+        return self.tokenizer(texts, truncation=True, max_length=self.component.max_length,
+                              add_special_tokens=self.component.text != "conversation", **kwargs)
+
+    def token_ids(self, prompts: list, responses: list[str]) -> list[list[int]]:
+        """The ids the model reads for each row (before padding)."""
+        return self._tokenize(self.texts(prompts, responses))["input_ids"]
+
     @torch.no_grad()
     def __call__(self, prompts: list, responses: list[str]) -> list[float]:
         texts = self.texts(prompts, responses)
-        # A chat template writes its own special tokens; adding them again would double the BOS.
-        add_special_tokens = self.component.text != "conversation"
         values: list[float] = []
         for start in range(0, len(texts), self.component.batch_size):
-            enc = self.tokenizer(
-                texts[start : start + self.component.batch_size], return_tensors="pt", padding=True,
-                truncation=True, max_length=self.component.max_length, add_special_tokens=add_special_tokens,
-            ).to(self.device)
+            enc = self._tokenize(texts[start : start + self.component.batch_size], return_tensors="pt",
+                                 padding=True).to(self.device)
             logits = self.model(**enc).logits.float()
             values += self._logits_to_rewards(logits).tolist()
         return values
@@ -227,11 +232,14 @@ class RewardStack:
             scorer = SCORERS[component.type](component, device, system_prompt)
             self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
 
-    def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int]) -> ScoreResult:
+    def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
+              known: dict[int, list] | None = None) -> ScoreResult:
+        """``known``: component index -> (B,) values already computed (engine/shared_reward.py), None
+        for the rows that component still scores."""
         totals = [0.0] * len(responses)
         components: dict[str, list[float]] = {}
-        for name, weight, scorer in self.scorers:
-            values = scorer(prompts, responses)
+        for index, (name, weight, scorer) in enumerate(self.scorers):
+            values = _fill_in(scorer, prompts, responses, (known or {}).get(index))
             components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
         if self.config.missing_eos_penalty is not None:
@@ -244,3 +252,15 @@ class RewardStack:
             components["overlength_penalty"] = penalty
             totals = [t + p for t, p in zip(totals, penalty)]
         return ScoreResult(totals, components)
+
+
+def _fill_in(scorer, prompts: list, responses: list[str], known: list | None) -> list[float]:
+    """The scorer's values, calling it only for the rows ``known`` leaves as None."""
+    if known is None:
+        return scorer(prompts, responses)
+    missing = [i for i, value in enumerate(known) if value is None]
+    values = list(known)
+    if missing:
+        for i, value in zip(missing, scorer([prompts[i] for i in missing], [responses[i] for i in missing])):
+            values[i] = value
+    return values

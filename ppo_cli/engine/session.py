@@ -34,6 +34,7 @@ from ppo_cli.engine.models import (
 )
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards import RewardStack, ScoreResult
+from ppo_cli.engine.shared_reward import SharedForward, SharedRewardModel
 from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout
@@ -46,6 +47,10 @@ INFERENCE_MODE = True
 # every backward (keep_freed_memory). Measured at the 0.5B shape on 2 cores: backward 9.8 -> 5.8 s
 # per update, peak resident memory +5% (docs/benchmarks.md). A switch so the benchmark can turn it off.
 CPU_MALLOC_TUNING = True
+# One forward of a reward model that is also the frozen critic, for its scores and the critic's
+# features, instead of one each (engine/shared_reward.py; docs/benchmarks.md measures it). A switch so
+# the benchmark and the tests can run the two forwards on the same engine.
+SHARED_REWARD_FORWARD = True
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Engine:
     # run under the autocast the update's forward gets from accelerate, so the first ratio is 1.
     mixed_precision: str = "no"
     generation_seconds: float = 0.0
+    # the reward model whose backbone is the frozen critic's: one forward gives scores and features
+    shared_reward: SharedRewardModel | None = None
 
     @property
     def pad_token_id(self) -> int:
@@ -113,19 +120,36 @@ class Engine:
     def decode_responses(self, generation: Generation) -> list[str]:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
 
-    def score(self, prompts: list[str], responses: list[str], generation: Generation) -> ScoreResult:
+    def score(self, prompts: list[str], responses: list[str], generation: Generation,
+              shared: SharedForward | None = None) -> ScoreResult:
+        """``shared``: the reward model's scores already taken from the critic's forward."""
+        known = {shared.component: shared.scores} if shared is not None else None
         return self.reward.score(
-            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist()
+            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known
         )
 
+    def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
+        """The frozen critic's features and, for the rows whose tokens the reward model reads as the
+        policy's, its scores, from one forward of the reward model (engine/shared_reward.py); None
+        where no reward model is the critic or no row's tokens match (then the two forwards run)."""
+        if self.shared_reward is None or not SHARED_REWARD_FORWARD:
+            return None
+        positions = self.shared_reward.score_positions(prompts, responses, generation)
+        if (positions < 0).all():
+            return None
+        return self.shared_reward.forward(generation, positions, self.recipe.ppo.micro_batch_size)
+
     @torch.no_grad()
-    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None):
+    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None,
+                                     fixed_features: torch.Tensor | None = None):
         """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask
         (values None without a critic: inference), and, for a frozen value model, the features its head
         read (B, T, H) (else None).
 
         ``sampled``: the log-probs (and hidden states) taken from generation's own forward passes
-        (generate_with_logprobs); the policy's forward pass is then skipped.
+        (generate_with_logprobs); the policy's forward pass is then skipped. ``fixed_features``: the
+        frozen value model's features already computed (B, T, H) (shared_reward_forward); its forward
+        is then skipped.
         """
         ac, temperature = self.actor_critic, self.recipe.generation.temperature
         sequences, attention_mask = generation.sequences, generation.attention_mask
@@ -148,7 +172,8 @@ class Engine:
                 else:
                     ref = reference_logprobs(ac, seq, attn, resp, temperature)
                 if keep_features:
-                    features.append(ac.critic.features(ac, seq, attn, T).clone())
+                    features.append(fixed_features[rows] if fixed_features is not None
+                                    else ac.critic.features(ac, seq, attn, T).clone())
                     vals = values_from_hidden(ac, features[-1])
                 if has_critic and vals is None:
                     vals = value_forward(ac, seq, attn, T)
@@ -184,7 +209,8 @@ class Engine:
         if not ac.reference_is_policy:
             forwards += count(ac.ref_model) if ac.ref_model is not None else policy
         critic = count(ac.value_backbone) or (policy if ac.value_kind == "adapter" else 0)  # the critic's own forward
-        forwards += critic + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
+        shared = self.shared_reward is not None and SHARED_REWARD_FORWARD  # the reward model's forward serves it
+        forwards += (0 if shared else critic) + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
         trained = policy + (0 if ac.value_features_fixed else critic)
         weight_bytes = sum(p.numel() * p.element_size() for p in ac.policy.parameters())
         return ModelSizes(policy, forwards, trained, weight_bytes)
@@ -197,10 +223,11 @@ class Engine:
         if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
             sampler_logprobs, sampled = sampled.logprobs, None
         responses = self.decode_responses(generation)
+        shared = self.shared_reward_forward(prompts, responses, generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
-            generation, self.recipe.ppo.micro_batch_size, sampled
+            generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None
         )
-        result = self.score(prompts, responses, generation)
+        result = self.score(prompts, responses, generation, shared)
         scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
                        fixed_features, sampler_logprobs)
@@ -279,7 +306,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
         from ppo_cli.engine.vllm_sampler import VllmSampler
 
         sampler = VllmSampler(recipe, device, actor_critic.policy)
-    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision)
+    return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision,
+                  shared_reward=SharedRewardModel.find(reward, actor_critic))
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:
