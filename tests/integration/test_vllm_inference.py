@@ -1,10 +1,11 @@
 """`ppo rollout / eval / compare` with generation.backend: vllm sample with vLLM, as `ppo train` does
 (skipped where vllm is not importable: scripts/vllm_test.sh runs these).
 
-At temperature 1e-4 sampling is greedy in effect (a runner-up token 0.002 logits behind has probability
-e^-20; at 0.01 a near tie on the tiny model flipped one token in 96), so vLLM and transformers, both
-float32 on the same weights, must give the same tokens: the same responses, stop tokens and lengths,
-which checks prompts, stop token, LoRA adapter and truncation."""
+Responses are not compared text for text with transformers' even at a tiny temperature: the tiny model,
+trained on templated reviews, has exact ties (" mixed." / " mixed because"), which either side may
+break. Instead every token vLLM picks at temperature 1e-4 must be transformers' argmax up to 0.05 in
+logits, on the same loaded policy (LoRA adapter included), while the base model's logits put some of the
+LoRA policy's tokens 0.2 or more below theirs: a sampler on the other weights fails the check."""
 
 from __future__ import annotations
 
@@ -62,16 +63,55 @@ def _rollout(model: str, run: Path, prompts: Path, out: Path, backend: str, temp
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _tokens(rows: list[dict], prefix: str = "") -> list[tuple]:
-    return [(r[f"{prefix}response"], r[f"{prefix}finished"], r[f"{prefix}response_tokens"]) for r in rows]
-
-
-def test_rollout_samples_with_vllm_what_transformers_samples_greedily(run, prompts, tmp_path):
+def test_rollout_records_the_backend(run, prompts, tmp_path):
     vllm_rows = _rollout("base", run, prompts, tmp_path / "vllm.jsonl", "vllm")
     hf_rows = _rollout("base", run, prompts, tmp_path / "hf.jsonl", "hf")
+    assert len(vllm_rows) == len(hf_rows) == 8
     assert {r["generation"]["backend"] for r in vllm_rows} == {"vllm"}
     assert {r["generation"]["backend"] for r in hf_rows} == {"hf"}
-    assert len(vllm_rows) == 8 and _tokens(vllm_rows) == _tokens(hf_rows)
+
+
+@pytest.mark.parametrize("model", ["base", "aligned"])
+def test_vllm_picks_the_transformers_policys_argmax_at_a_tiny_temperature(run, prompts, model):
+    import torch
+
+    from ppo_cli.commands.rollout import release
+    from ppo_cli.engine.inference import load_inference_engine
+    from ppo_cli.model_refs import resolve_model_reference
+    from ppo_cli.recipe_loading import load_recipe
+
+    recipe = load_recipe(run / "recipe.yaml", ["generation.backend=vllm", f"generation.temperature={GREEDY}",
+                                               f"generation.max_new_tokens={MAX_NEW_TOKENS}"])
+    engine = load_inference_engine(recipe, resolve_model_reference(model, run))
+    assert engine.sampler is not None
+    torch.manual_seed(0)
+    g = engine.generate(prompts.read_text().splitlines())
+    sequences = torch.cat([g.prompt_ids, g.response_ids], dim=1)  # (B, P + T)
+    mask = torch.cat([g.prompt_mask, g.response_mask], dim=1)
+    P = g.prompt_ids.shape[1]
+
+    def gaps(policy) -> torch.Tensor:
+        """How far below ``policy``'s argmax each response token's logit is, over the response mask."""
+        with torch.no_grad():
+            logits = policy(input_ids=sequences, attention_mask=mask.long(),
+                            position_ids=(mask.long().cumsum(1) - 1).clamp(min=0)).logits
+        response_logits = logits[:, P - 1 : -1].float()  # (B, T, V): the logits that chose each response token
+        chosen = response_logits.gather(-1, g.response_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        return (response_logits.max(dim=-1).values - chosen)[g.response_mask]
+
+    policy = engine.actor_critic.policy
+    own = gaps(policy)
+    other = None
+    if model == "aligned":  # the same tokens against the base (adapter off): the check tells the two apart
+        with policy.disable_adapter():
+            other = gaps(policy)
+    release(engine)
+    # Measured: at most 0.002 (base) and 0.02 (one token of 96, LoRA) between vLLM's CPU kernels and
+    # transformers' float32 forward; the base's logits put the LoRA policy's tokens up to 0.46 below
+    # their argmax after the run's two updates.
+    assert own.numel() > 0 and own.max().item() < 0.05, own.max().item()
+    if other is not None:
+        assert other.max().item() > 0.2, other.max().item()
 
 
 def test_rollout_with_vllm_at_temperature_1_stops_at_the_stop_token_or_the_length_limit(run, prompts, tmp_path):
@@ -81,22 +121,19 @@ def test_rollout_with_vllm_at_temperature_1_stops_at_the_stop_token_or_the_lengt
         assert row["finished"] or row["response_tokens"] == MAX_NEW_TOKENS, row
 
 
-def test_eval_of_the_lora_adapter_with_vllm_matches_transformers(run, prompts, tmp_path):
+def test_eval_of_the_lora_adapter_with_vllm_records_the_backend(run, prompts, tmp_path):
     _invoke(["eval", "aligned", "--out", str(tmp_path / "vllm.json")], run, prompts, "vllm")
-    _invoke(["eval", "aligned", "--out", str(tmp_path / "hf.json")], run, prompts, "hf")
-    vllm, hf = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("vllm", "hf"))
-    assert vllm["generation"]["backend"] == "vllm" and hf["generation"]["backend"] == "hf"
-    # Same tokens, so the same lengths, stop rate and rewards; the KL is transformers' forward on them.
-    for key in ("eos_rate", "response_length", "distinct_1", "distinct_2"):
-        assert vllm[key] == hf[key], key
-    assert vllm["reward"]["mean"] == pytest.approx(hf["reward"]["mean"], abs=1e-5)
-    assert vllm["kl"] == pytest.approx(hf["kl"], abs=1e-4)
+    summary = json.loads((tmp_path / "vllm.json").read_text())
+    assert summary["generation"]["backend"] == "vllm" and summary["num_prompts"] == 8
+    assert 0.0 <= summary["eos_rate"] <= 1.0 and 1 <= summary["response_length"] <= MAX_NEW_TOKENS
+    assert summary["kl"] is not None  # transformers' forward on vLLM's tokens
 
 
-def test_compare_runs_two_vllm_engines_in_turn_and_matches_transformers(run, prompts, tmp_path):
+def test_compare_runs_two_vllm_engines_in_turn(run, prompts, tmp_path):
     _invoke(["compare", "base", "aligned", "--out", str(tmp_path / "vllm")], run, prompts, "vllm")
-    _invoke(["compare", "base", "aligned", "--out", str(tmp_path / "hf")], run, prompts, "hf")
-    vllm, hf = (json.loads((tmp_path / name / "compare.json").read_text()) for name in ("vllm", "hf"))
-    assert vllm["a"]["generation"]["backend"] == vllm["b"]["generation"]["backend"] == "vllm"
-    for side in ("a_", "b_"):
-        assert _tokens(vllm["rows"], side) == _tokens(hf["rows"], side)
+    result = json.loads((tmp_path / "vllm" / "compare.json").read_text())
+    assert result["a"]["generation"]["backend"] == result["b"]["generation"]["backend"] == "vllm"
+    assert len(result["rows"]) == 8
+    for row in result["rows"]:
+        for side in ("a_", "b_"):
+            assert row[f"{side}finished"] or row[f"{side}response_tokens"] == MAX_NEW_TOKENS, row
