@@ -128,7 +128,9 @@ def save_final(ac: ActorCritic, tokenizer, final_dir: Path, info: dict, merge_dt
     final/merged/ (the policy's base + info's policy_adapter + the trained LoRA, folded into plain weights).
     ``full_state``: as for save_policy_and_value."""
     keeps = "the previous final/ (if any) and every checkpoint are intact"
-    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp:
+    # disk_space_for inside too: it reads the free space while the partial files still fill the disk.
+    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, {"kind": "final", "step": info.get("step")}) as tmp, \
+            disk_space_for(final_dir, keeps):
         save_policy_and_value(ac, tokenizer, tmp, full_state)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         if model_card is not None:
@@ -224,7 +226,8 @@ def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states:
     previous = latest_checkpoint(checkpoints_dir) if checkpoints_dir.exists() else None
     keeps = f"the last complete checkpoint, {previous}, is intact" if previous else "no checkpoint was written"
     info = {"kind": "checkpoint", "step": state.step}
-    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, info, tmp) as tmp:
+    with disk_space_for(final_dir, keeps), atomic_directory(final_dir, info, tmp) as tmp, \
+            disk_space_for(final_dir, keeps):  # inside too, as in save_final
         save_policy_and_value(state.engine.actor_critic, state.engine.tokenizer, tmp, full_state)
         training = {"optimizer": optimizer_state, "scheduler": state.scheduler.state_dict(), "rng": rng_states}
         scaler = state.dist.accelerator.scaler  # fp16 mixed precision: the loss scale it has settled on

@@ -11,6 +11,7 @@ Importing this module must not import torch (tests/test_cli.py checks): ``ppo --
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -380,6 +381,9 @@ def report_error(err: BaseException) -> int:
 
     if is_out_of_memory(err):  # outside training's phases (loading, eval, compare): still not a bug
         print_error(f"out of memory: {first_line(err)}", "run `ppo plan RECIPE` to see what each role needs and what would fit")
+        return EXIT_RUNTIME
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # e.g. appending to metrics.jsonl
+        print_error(f"disk full: {first_line(err)}", "free space on the output directory's disk, then resume (ppo train RECIPE --resume)")
         return EXIT_RUNTIME
     print_error(f"unexpected {type(err).__name__}: {first_line(err)}", BUG_HINT)
     return EXIT_RUNTIME

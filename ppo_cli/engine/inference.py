@@ -106,7 +106,12 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     # Sampled and scored under the training run's autocast (train.mixed_precision), as its rollouts were.
     mixed_precision = recipe_mixed_precision(recipe, device)
     check_mixed_precision(mixed_precision, device)
-    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, mixed_precision=mixed_precision)
+    sampler = None
+    if recipe.generation.backend == "vllm":  # sampled as `ppo train` samples with this recipe
+        from ppo_cli.engine.vllm_sampler import VllmSampler
+
+        sampler = VllmSampler(recipe, device, policy, model=model)
+    return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, sampler=sampler, mixed_precision=mixed_precision)
 
 
 def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:

@@ -123,12 +123,19 @@ def kv_cache_bytes(recipe: Recipe, config, dtype: torch.dtype) -> int:
     return max(KV_CACHE_FLOOR_BYTES, int(tokens * per_token * KV_CACHE_MARGIN))
 
 
-def engine_kwargs(recipe: Recipe, device: torch.device, dtype: torch.dtype, config) -> dict:
-    """Arguments of vllm.LLM for this recipe (no vllm import: tested without it)."""
+def engine_kwargs(recipe: Recipe, device: torch.device, dtype: torch.dtype, config, model=None) -> dict:
+    """Arguments of vllm.LLM for this recipe (no vllm import: tested without it): the policy as
+    trained, or with ``model`` (a ResolvedModel) the model `ppo rollout / eval / compare` sample: its
+    weights, and LoRA at its adapter's rank."""
     pol, gen = recipe.policy, recipe.generation
+    if model is None:
+        path, revision, lora_rank = pol.path, pol.revision, pol.lora.r if pol.lora is not None else None
+    else:
+        path, revision = model.weights_path, pol.revision if model.weights_path == pol.path else None
+        lora_rank = adapter_rank(model.adapter_dir) if model.adapter_dir is not None else None
     kwargs = dict(
-        model=pol.path,
-        revision=pol.revision,
+        model=path,
+        revision=revision,
         trust_remote_code=pol.trust_remote_code,
         dtype=str(dtype).removeprefix("torch."),
         seed=recipe.seed,
@@ -140,8 +147,8 @@ def engine_kwargs(recipe: Recipe, device: torch.device, dtype: torch.dtype, conf
         logprobs_mode="processed_logprobs",
         max_model_len=recipe.data.max_prompt_tokens + gen.max_new_tokens,
     )
-    if pol.lora is not None:
-        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(pol.lora.r), max_loras=1)
+    if lora_rank is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
     if device.type == "cuda":
         kwargs.update(gpu_memory_utilization=gen.vllm_gpu_memory_utilization, enable_sleep_mode=gen.vllm_sleep_mode)
     else:
@@ -149,6 +156,24 @@ def engine_kwargs(recipe: Recipe, device: torch.device, dtype: torch.dtype, conf
         # VLLM_CPU_KVCACHE_SPACE (GB), when set, takes precedence over this size inside vLLM.
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(recipe, config, dtype))
     return kwargs
+
+
+def adapter_rank(adapter_dir: Path) -> int:
+    """The LoRA rank r of a saved peft adapter (its adapter_config.json)."""
+    import json
+
+    return int(json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8"))["r"])
+
+
+def check_can_sample(model) -> None:
+    """Refuse, before loading, a model vLLM would not sample as transformers does: an adapter (policy.adapter)
+    merged into the base at load, under a LoRA adapter (vLLM would apply the LoRA to the unmerged base)."""
+    if model.base_adapter is not None and model.adapter_dir is not None:
+        raise UsageError(
+            f"generation.backend 'vllm' cannot sample {model.reference}: its LoRA adapter sits on a base with "
+            f"policy.adapter ({model.base_adapter}) merged in, which vLLM would not see",
+            hint="sample it with --set generation.backend=hf, or merge the adapters first (ppo train --merge)",
+        )
 
 
 def build_generation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
@@ -223,7 +248,10 @@ class VllmSampler:
     """Owns the in-process vllm.LLM; ``generate`` samples one response per prompt row from the
     current policy. Built by load_engine when generation.backend is vllm."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module):
+    def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module, model=None):
+        """``model``: the ResolvedModel `ppo rollout / eval / compare` sample (weights that never change:
+        its LoRA adapter is handed to vLLM as saved, other weights are vLLM's own load of the same
+        files, or, with policy.adapter merged in at load, copied over once); None when training."""
         import torch.distributed as torch_dist
 
         if torch_dist.is_available() and torch_dist.is_initialized():
@@ -232,16 +260,18 @@ class VllmSampler:
         from ppo_cli.engine.models import unwrap_causal_lm
 
         self.recipe, self.device = recipe, device
-        self.is_lora = recipe.policy.lora is not None
+        self.is_lora = recipe.policy.lora is not None if model is None else model.adapter_dir is not None
+        self._fixed = model  # inference: nothing to follow after the first sync
+        self._synced = False
         lm = unwrap_causal_lm(policy)
         # The policy's dtype (a 4-bit policy's embeddings keep its compute dtype: vLLM then samples from
         # the unquantized base, and rollout/logprob_diff_* shows how far that is from the 4-bit forward).
         dtype = lm.get_input_embeddings().weight.dtype
         self.sleep_mode = device.type == "cuda" and recipe.generation.vllm_sleep_mode
         with _process_state_kept():
-            self.llm = vllm.LLM(**engine_kwargs(recipe, device, dtype, lm.config))
+            self.llm = vllm.LLM(**engine_kwargs(recipe, device, dtype, lm.config, model))
         self._vllm = vllm
-        self._adapter_root = Path(tempfile.mkdtemp(prefix="ppo_cli-vllm-lora-")) if self.is_lora else None
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="ppo_cli-vllm-lora-")) if self.is_lora and model is None else None
         self._lora_id = 0  # vLLM caches adapters by id: every update gets a new one
         self.lora_request = None
         if self.sleep_mode:
@@ -253,10 +283,23 @@ class VllmSampler:
     def sync(self, policy: torch.nn.Module) -> None:
         """Give vLLM the policy as it is now (called before every generation: after an update, a
         resume or nothing at all, the weights it samples with are the trainer's)."""
-        if self.is_lora:
+        if self._fixed is not None:
+            self._sync_fixed(policy)
+        elif self.is_lora:
             self._sync_adapter(policy)
         else:
             self._sync_weights(policy)
+
+    def _sync_fixed(self, policy) -> None:
+        if self._synced:
+            return
+        if self._fixed.adapter_dir is not None:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest("policy", 1, str(self._fixed.adapter_dir))
+        elif self._fixed.base_adapter is not None:
+            self._sync_weights(policy)  # the base with policy.adapter merged, as transformers loaded it
+        self._synced = True
 
     def _sync_adapter(self, policy) -> None:
         from vllm.lora.request import LoRARequest

