@@ -85,12 +85,13 @@ def group_normalized_advantages(
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(SCALE_REWARDS)}")
     groups = grouped(scores, group_size)  # (P, G)
-    centred = torch.where(_constant_groups(groups), 0, groups - groups.mean(dim=1, keepdim=True))  # (P, G)
+    advantages = groups - groups.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
-        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
-        centred = centred / (scores.std() + eps)
-    return centred.reshape(-1)
+        advantages = advantages / (scores.std() + eps)
+    # Last, so that 0 / 0 (eps = 0) cannot leak a NaN out of a constant group.
+    return torch.where(_constant_groups(groups), 0, advantages).reshape(-1)
 
 
 def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
