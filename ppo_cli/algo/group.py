@@ -42,9 +42,13 @@ def grouped(scores: Tensor, group_size: int) -> Tensor:
             is not 1-D with a length divisible by ``group_size``.
     """
     if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (a baseline needs another completion of the prompt), got {group_size}")
+        raise ValueError(
+            f"group_size must be >= 2 (a baseline needs another completion of the prompt), got {group_size}"
+        )
     if scores.dim() != 1 or scores.numel() % group_size != 0:
-        raise ValueError(f"scores must be (B,) with B a multiple of group_size={group_size}, got shape {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must be (B,) with B a multiple of group_size={group_size}, got shape {tuple(scores.shape)}"
+        )
     return scores.view(-1, group_size)
 
 
@@ -60,12 +64,12 @@ def _constant_groups(groups: Tensor) -> Tensor:
 def group_normalized_advantages(
     scores: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> Tensor:
-    """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath, sec. 4.1.2), and Dr. GRPO's.
+    """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), and Dr. GRPO's.
 
     A_i = (r_i - mean_group(r)) / (std + eps), with std
         "group": the std of the prompt's G scores (GRPO; TRL's scale_rewards="group"),
         "batch": the std of all B scores (TRL's scale_rewards="batch"),
-        "none":  no division, A_i = r_i - mean_group(r) (Dr. GRPO, Liu et al. 2025; TRL's "none",
+        "none":  no division, A_i = r_i - mean_group(r) (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783; TRL's "none",
                  verl's norm_adv_by_std_in_grpo=False).
     std is Bessel-corrected (torch.std, as TRL and verl). eps defaults to TRL's 1e-4 (verl: 1e-6).
     A group whose scores are all equal gets exactly 0 (never NaN, also when the batch std is 0).
@@ -95,7 +99,7 @@ def group_normalized_advantages(
 
 
 def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
-    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024): the baseline of each completion
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740): the baseline of each completion
     is the mean score of the other G - 1 completions of its prompt.
 
     A_i = r_i - 1/(G-1) * sum_{j != i} r_j = G/(G-1) * (r_i - mean_group(r))

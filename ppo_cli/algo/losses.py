@@ -68,9 +68,11 @@ class ValueLossOutput(NamedTuple):
     clipfrac: Tensor
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, cliprange_low: float, cliprange_high: float) -> ClippedSurrogate:
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, cliprange_low: float, cliprange_high: float
+) -> ClippedSurrogate:
     """PPO's clipped surrogate per token, with separate clip radii below and above 1 (DAPO's clip-higher,
-    Yu et al. 2025, sec. 3.1: a larger eps_high lets unlikely tokens with A > 0 grow).
+    Yu et al. 2025, arXiv:2503.14476: a larger eps_high lets unlikely tokens with A > 0 grow).
 
     per_token = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
 
@@ -95,7 +97,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, cliprange_low: float, c
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor) -> Tensor:
     """GSPO's length-normalised sequence ratio, broadcast to tokens as in GSPO-token (Zheng et al. 2025,
-    "Group Sequence Policy Optimization", eq. 7 and 14; verl's ``compute_policy_loss_gspo``).
+    "Group Sequence Policy Optimization", arXiv:2507.18071; verl's ``compute_policy_loss_gspo``).
 
     log s_i   = 1/|y_i| * sum_t (logprobs_t - old_logprobs_t)        over the real tokens of row i
     log s_i,t = sg[log s_i] + logprobs_t - sg[logprobs_t]            (sg = stop-gradient)

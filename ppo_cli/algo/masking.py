@@ -149,7 +149,7 @@ def masked_whiten(
 
 def mask_truncated_completions(response_mask: Tensor, finished: Tensor) -> Tensor:
     """Drop the rows that did not finish from the loss (DAPO's overlong filtering, Yu et al. 2025,
-    sec. 3.4; TRL's GRPOConfig ``mask_truncated_completions``).
+    arXiv:2503.14476; TRL's GRPOConfig ``mask_truncated_completions``).
 
     mask_bt = response_mask_bt and finished_b
 
