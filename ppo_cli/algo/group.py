@@ -99,8 +99,8 @@ def group_normalized_advantages(
 
 
 def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
-    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740): the baseline of each completion
-    is the mean score of the other G - 1 completions of its prompt.
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740): the baseline
+    of each completion is the mean score of the other G - 1 completions of its prompt.
 
     A_i = r_i - 1/(G-1) * sum_{j != i} r_j = G/(G-1) * (r_i - mean_group(r))
 
