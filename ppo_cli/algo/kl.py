@@ -26,6 +26,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
         ref_logprobs: (B, T) log pi_ref(a_t | s_t) of the same tokens.
         estimator: "k1", "k2" or "k3".
 
+    In the loss (GRPO's KL term) pass ``ref_logprobs`` detached: k3 is then TRL's GRPO
+    ``per_token_kl = exp(ref - logp) - (ref - logp) - 1``, with gradient 1 - exp(ref - logp) in logprobs.
+
     Returns:
         (B, T) per-token KL estimate. Not masked: the caller masks it (see ``shape_rewards``).
 

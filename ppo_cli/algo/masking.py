@@ -145,3 +145,22 @@ def masked_whiten(
     if keep_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0)
+
+
+def mask_truncated_completions(response_mask: Tensor, finished: Tensor) -> Tensor:
+    """Drop the rows that did not finish from the loss (DAPO's overlong filtering, Yu et al. 2025,
+    arXiv:2503.14476; TRL's GRPOConfig ``mask_truncated_completions``).
+
+    mask_bt = response_mask_bt and finished_b
+
+    A row cut at max_new_tokens never sampled its stop token, so its score judges an unfinished
+    answer; dropping it keeps that noise out of the gradient.
+
+    Args:
+        response_mask: bool, (B, T).
+        finished: bool, (B,); True where the stop token was sampled (``Generation.finished``).
+
+    Returns:
+        bool (B, T); rows with finished False are all False.
+    """
+    return response_mask & finished.unsqueeze(1)

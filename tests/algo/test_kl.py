@@ -153,3 +153,16 @@ def test_adaptive_kl_controller_load_state_dict_rejects_unknown_keys():
 def test_adaptive_kl_controller_rejects_non_positive_target_or_horizon(target, horizon):
     with pytest.raises(ValueError, match="must be > 0"):
         AdaptiveKLController(value=0.1, target=target, horizon=horizon)
+
+
+def test_kl_penalty_k3_in_the_loss_is_trl_grpo_per_token_kl_with_its_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref_logprobs = REF_LOGPROBS.double()
+    per_token_kl = kl_penalty(logprobs, ref_logprobs, "k3")
+    # TRL's GRPOTrainer: torch.exp(ref - logp) - (ref - logp) - 1
+    trl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1
+    torch.testing.assert_close(per_token_kl, trl, rtol=1e-12, atol=1e-12)
+    per_token_kl.sum().backward()
+    # d/dlogp = 1 - exp(ref - logp): 1 - e^-0.5 = 0.3934693403, 1 - e = -1.7182818285, 1 - e^0 = 0
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.3934693403, -1.7182818285, 0.0]], dtype=torch.float64),
+                               **TOL)

@@ -7,9 +7,11 @@ from ppo_cli.algo.losses import (
     PolicyLossOutput,
     ValueLossOutput,
     clipped_policy_loss,
+    clipped_surrogate,
     clipped_value_loss,
     entropy_from_logits,
     explained_variance,
+    sequence_log_ratio,
 )
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -308,3 +310,129 @@ def test_loss_functions_do_not_mutate_inputs():
     explained_variance(logprobs, advantages, response_mask)
     for before, after in zip(snapshot, inputs):
         assert torch.equal(before, after)
+
+
+# Clip-higher (DAPO): eps_low 0.2, eps_high 0.28. One token per case of the 1x4 batch.
+CH_RATIOS = torch.tensor([[1.25, 1.3, 0.75, 0.85]], dtype=torch.float64)
+CH_ADVANTAGES = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+CH_MASK = torch.ones(1, 4, dtype=torch.bool)
+
+
+def test_clipped_surrogate_matches_hand_computed_clip_higher_case():
+    out = clipped_surrogate(CH_RATIOS, CH_ADVANTAGES, 0.2, 0.28)
+    # 1.25 < 1.28 stays unclipped: -1.25; 1.3 > 1.28: -1.28; 0.75 < 0.8 with A < 0: max(0.75, 0.8); 0.85 inside
+    torch.testing.assert_close(out.per_token, torch.tensor([[-1.25, -1.28, 0.8, 0.85]], dtype=torch.float64), **TOL)
+    assert out.clipped_high.tolist() == [[False, True, False, False]]
+    assert out.clipped_low.tolist() == [[False, False, True, False]]
+
+
+def test_clipped_policy_loss_with_cliprange_high_matches_hand_computed_case():
+    logprobs = CH_RATIOS.log().requires_grad_()
+    out = clipped_policy_loss(logprobs, torch.zeros(1, 4, dtype=torch.float64), CH_ADVANTAGES, CH_MASK, 0.2,
+                              cliprange_high=0.28)
+    torch.testing.assert_close(out.loss, torch.tensor(-0.22, dtype=torch.float64), **TOL)  # (-1.25 - 1.28 + 0.8 + 0.85) / 4
+    assert (out.clipfrac_low.item(), out.clipfrac_high.item(), out.clipfrac.item()) == (0.25, 0.25, 0.5)
+    out.loss.backward()
+    # only the unclipped tokens move: d/dlogp of -A * r / 4 is -A * r / 4
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.25 / 4, 0.0, 0.0, 0.85 / 4]], dtype=torch.float64), **TOL)
+
+
+def test_clipped_policy_loss_cliprange_high_defaults_to_cliprange():
+    out = clipped_policy_loss(CH_RATIOS.log(), torch.zeros(1, 4, dtype=torch.float64), CH_ADVANTAGES, CH_MASK, 0.2)
+    # symmetric 0.2: 1.25 is clipped to 1.2 too -> (-1.2 - 1.2 + 0.8 + 0.85) / 4
+    torch.testing.assert_close(out.loss, torch.tensor(-0.1875, dtype=torch.float64), **TOL)
+    assert (out.clipfrac_low.item(), out.clipfrac_high.item(), out.clipfrac.item()) == (0.25, 0.5, 0.75)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_clipfrac_is_the_sum_of_the_low_and_high_fractions(seed):
+    logprobs, old_logprobs, advantages, response_mask = random_policy_batch(seed)
+    out = clipped_policy_loss(logprobs, old_logprobs, advantages, response_mask, 0.2, cliprange_high=0.3)
+    ratio = (logprobs - old_logprobs).exp()
+    strictly_larger = -advantages * ratio.clamp(0.8, 1.3) > -advantages * ratio  # verl's pg_clipfrac
+    torch.testing.assert_close(out.clipfrac, strictly_larger[response_mask].double().mean(), **TOL)
+    torch.testing.assert_close(out.clipfrac, out.clipfrac_low + out.clipfrac_high, **TOL)
+
+
+# GSPO: row 0 has log-ratios [0.1, 0.3] (mean 0.2), row 1 one real token with log-ratio -0.4.
+GSPO_OLD = torch.zeros(2, 2, dtype=torch.float64)
+GSPO_LOGPROBS = torch.tensor([[0.1, 0.3], [-0.4, 5.0]], dtype=torch.float64)
+GSPO_ADVANTAGES = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+GSPO_MASK = torch.tensor([[True, True], [True, False]])
+
+
+def test_sequence_log_ratio_is_the_mean_token_log_ratio_of_each_row():
+    log_ratio = sequence_log_ratio(GSPO_LOGPROBS, GSPO_OLD, GSPO_MASK)
+    torch.testing.assert_close(log_ratio, torch.tensor([[0.2, 0.2], [-0.4, 0.0]], dtype=torch.float64), **TOL)
+
+
+def test_sequence_log_ratio_gradient_is_one_per_real_token():
+    logprobs = GSPO_LOGPROBS.clone().requires_grad_()
+    sequence_log_ratio(logprobs, GSPO_OLD, GSPO_MASK).sum().backward()
+    # sg[log s_i] + logp_t - sg[logp_t]: d/dlogp_t = 1 on real tokens, padding gets nothing
+    assert logprobs.grad.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+
+
+def test_gspo_loss_matches_hand_computed_case():
+    out = clipped_policy_loss(GSPO_LOGPROBS, GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, 0.2,
+                              ratio_level="sequence", loss_agg_mode="seq_mean_token_mean")
+    # s_0 = e^0.2 = 1.2214 > 1.2 with A > 0: -1.2; s_1 = e^-0.4 = 0.6703 < 0.8 with A < 0: 0.8; mean of rows
+    torch.testing.assert_close(out.loss, torch.tensor(-0.2, dtype=torch.float64), **TOL)
+    assert (out.clipfrac_low.item(), out.clipfrac_high.item()) == (1 / 3, 2 / 3)
+    # approx_kl stays token-level: 0.5 * (0.01 + 0.09 + 0.16) / 3
+    torch.testing.assert_close(out.approx_kl, torch.tensor(0.26 / 6, dtype=torch.float64), **TOL)
+
+
+def test_gspo_gradient_equals_the_sequence_level_objective_gradient():
+    logprobs = GSPO_LOGPROBS.clone().requires_grad_()
+    out = clipped_policy_loss(logprobs, GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, 0.5,
+                              ratio_level="sequence", loss_agg_mode="seq_mean_token_mean")
+    # unclipped at eps 0.5: (-e^0.2 + e^-0.4) / 2
+    torch.testing.assert_close(out.loss, torch.tensor(-0.2755413561, dtype=torch.float64), **TOL)
+    out.loss.backward()
+    # GSPO's objective written per sequence: -1/2 sum_i A_i exp(mean_t log-ratio_i)
+    reference = GSPO_LOGPROBS.clone().requires_grad_()
+    log_s = torch.stack([reference[0].mean(), reference[1, :1].mean()])
+    (-(torch.tensor([1.0, -1.0], dtype=torch.float64) * log_s.exp()).mean()).backward()
+    # = -e^0.2 / 4 on each token of row 0, e^-0.4 / 2 on row 1's token
+    torch.testing.assert_close(logprobs.grad, reference.grad, **TOL)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.3053506895, -0.3053506895], [0.3351600230, 0.0]],
+                                                            dtype=torch.float64), **TOL)
+
+
+def test_sequence_ratio_equals_token_ratio_when_rows_have_one_token():
+    logprobs, old_logprobs, advantages, _ = random_policy_batch(6, shape=(5, 3))
+    mask = torch.zeros(5, 3, dtype=torch.bool)
+    mask[:, 0] = True
+    token = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, 0.2, ratio_level="token")
+    sequence = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, 0.2, ratio_level="sequence")
+    for got, want in zip(sequence, token):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gspo_loss_ignores_inf_and_nan_on_padding():
+    logprobs = GSPO_LOGPROBS.clone()
+    logprobs[1, 1] = float("inf")
+    logprobs.requires_grad_()
+    old = GSPO_OLD.clone()
+    old[1, 1] = float("nan")
+    out = clipped_policy_loss(logprobs, old, GSPO_ADVANTAGES, GSPO_MASK, 0.5, ratio_level="sequence",
+                              loss_agg_mode="seq_mean_token_mean")
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, torch.tensor(-0.2755413561, dtype=torch.float64), **TOL)
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[1, 1] == 0.0
+
+
+def test_clipped_policy_loss_uses_the_loss_aggregation():
+    # the 2x3 case: per-token losses [-1.2, -0.5, 2 | 0.8, 2, -]; row means 0.1 and 1.4
+    out = clipped_policy_loss(RATIOS.log(), torch.zeros(2, 3), ADVANTAGES, RESPONSE_MASK, 0.2,
+                              loss_agg_mode="seq_mean_token_mean")
+    torch.testing.assert_close(out.loss, torch.tensor(0.75), **TOL)
+    out = clipped_policy_loss(RATIOS.log(), torch.zeros(2, 3), ADVANTAGES, RESPONSE_MASK, 0.2,
+                              loss_agg_mode="seq_mean_token_sum_norm", max_response_length=4)
+    torch.testing.assert_close(out.loss, torch.tensor((0.3 + 2.8) / 8), **TOL)  # row sums 0.3, 2.8, / 4, mean
+
+
+def test_clipped_policy_loss_rejects_an_unknown_ratio_level():
+    with pytest.raises(ValueError, match=r"^unknown ratio_level 'seq'; expected one of token, sequence$"):
+        clipped_policy_loss(RATIOS.log(), torch.zeros(2, 3), ADVANTAGES, RESPONSE_MASK, 0.2, ratio_level="seq")
