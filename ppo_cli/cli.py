@@ -155,10 +155,10 @@ def train(
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    if num_processes > 1 and resolved.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import check_one_process
+    if num_processes > 1:  # refused before launching
+        from ppo_cli.commands.inputs import check_vllm_backend
 
-        check_one_process(num_processes)
+        check_vllm_backend(resolved, num_processes)
     if num_processes > 1 or accelerate_config is not None:
         from ppo_cli.launch import launch_train
 
