@@ -118,3 +118,29 @@ def test_a_concrete_kind_is_kept(tmp_path):
     rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
     for kind in ("adapter", "head", "model"):
         assert value_kind(recipe(tmp_path, scalar_reward(rm), overrides=(f"value.kind={kind}",))) == kind
+
+
+def test_separate_value_model_on_the_policys_tokenizer_passes_the_check_before_loading(tmp_path):
+    from ppo_cli.engine.actor_critic import check_value_model_tokenizer
+
+    value = model_dir(tmp_path, "value", tokenizer=TOKENIZER)
+    check_value_model_tokenizer(recipe(tmp_path, overrides=("value.kind=model", f"value.path={value}")))
+
+
+def test_separate_value_model_without_tokenizer_files_is_refused_before_loading(tmp_path):
+    from ppo_cli.engine.actor_critic import check_value_model_tokenizer
+    from ppo_cli.errors import ModelReferenceError
+
+    value = model_dir(tmp_path, "value", tokenizer=None)
+    with pytest.raises(ModelReferenceError) as err:
+        check_value_model_tokenizer(recipe(tmp_path, overrides=("value.kind=model", f"value.path={value}")))
+    assert err.value.message == (f"value model '{value}' has no tokenizer files to compare with the policy's, "
+                                 "but reads the policy's token ids")
+
+
+def test_value_lora_with_auto_and_no_lora_policy_is_refused_without_reading_the_models(tmp_path):
+    from ppo_cli.errors import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        recipe(tmp_path, lora=False, overrides=("value.lora={r: 8}",))
+    assert err.value.message == "--set value.lora: only used with value kind 'adapter', but the value kind is 'auto'"
