@@ -189,21 +189,24 @@ def _unwrap_optimizer(optimizer):
 
 class Distributed(ShardingMixin):
     def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
-                 weights_dtype: torch.dtype = torch.float32):
+                 weights_dtype: torch.dtype = torch.float32, collective_timeout_s: int | None = None):
         """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
-        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast)."""
+        ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast);
+        ``collective_timeout_s``: the process group's timeout (train.collective_timeout_s), None: the backend's."""
         from accelerate import Accelerator
 
         from ppo_cli.engine.precision import check_mixed_precision, resolve_mixed_precision
 
+        # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
+        cpu = device_name == "cpu" or not torch.cuda.is_available()
         if launched_with_deepspeed():
+            init_processes(False, collective_timeout_s, **deepspeed_init_kwargs())
             # DeepSpeed casts the engine's model itself, as its accelerate config says (mixed_precision).
             self.accelerator = Accelerator(**deepspeed_accelerator_kwargs())
             load_models_whole(self.accelerator.state.deepspeed_plugin)
             self.mixed_precision = self.accelerator.mixed_precision
             return
-        # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
-        cpu = device_name == "cpu" or not torch.cuda.is_available()
+        init_processes(cpu, collective_timeout_s)
         device = torch.device("cpu" if cpu else "cuda")
         precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision())
         check_mixed_precision(precision, device)
@@ -221,7 +224,7 @@ class Distributed(ShardingMixin):
         from ppo_cli.engine.models import resolve_device, resolve_dtype
 
         weights_dtype = resolve_dtype(recipe.policy.dtype, resolve_device(recipe.train.device))
-        return cls(recipe.train.device, recipe.train.mixed_precision, weights_dtype)
+        return cls(recipe.train.device, recipe.train.mixed_precision, weights_dtype, recipe.train.collective_timeout_s)
 
     @property
     def rank(self) -> int:
@@ -279,12 +282,31 @@ class Distributed(ShardingMixin):
         return gather_object([obj])
 
 
+def init_processes(cpu: bool, timeout_s: int | None, **kwargs) -> None:
+    """Join the process group (a no-op for one process, or once joined) with ``timeout_s`` as every
+    collective's timeout. Accelerator's InitProcessGroupKwargs cannot carry it: accelerate passes on
+    only values that differ from its defaults (NCCL's 600 s), so 600 would leave gloo at its 1800 s.
+    The Accelerator built next finds the process state made here and keeps it."""
+    from datetime import timedelta
+
+    from accelerate.state import PartialState
+
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    PartialState(cpu=cpu, **kwargs)
+
+
 # --- DeepSpeed (accelerate launch with distributed_type: DEEPSPEED) --------------------------------
 
 
 def launched_with_deepspeed() -> bool:
     """`accelerate launch` with a DeepSpeed config sets this for every process it starts."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def deepspeed_init_kwargs() -> dict:
+    """The process group's backend under DeepSpeed: gloo on CPU (deepspeed_accelerator_kwargs)."""
+    return {} if torch.cuda.is_available() else {"backend": "gloo"}
 
 
 def deepspeed_accelerator_kwargs() -> dict:

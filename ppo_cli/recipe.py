@@ -354,6 +354,14 @@ class TrainConfig(Section):
     max_consecutive_skips: int = Field(
         3, gt=0, description="Stop after this many updates in a row skipped for non-finite numbers."
     )
+    collective_timeout_s: int = Field(
+        600, gt=0,
+        description="Several processes: seconds a collective (all-reduce, all-gather, barrier) may wait for the other "
+        "processes before every process stops with one line naming the phase (loading, rollout, update, evaluation, "
+        "checkpoint) and exit code 1; the last checkpoint stays intact. It is the process group's timeout (gloo and "
+        "NCCL); 600 is NCCL's own default. The other processes wait while the main one writes a checkpoint or final/: "
+        "raise it when that takes longer for your model.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -92,10 +92,16 @@ def no_checkpointing(model):
 # no_grad, not inference_mode: inference tensors could not be fed to the update's autograd later.
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int) -> Generation:
-    """Sample one response per prompt row. The global torch RNG drives sampling (seed it first)."""
+    """Sample one response per prompt row. The global torch RNG drives sampling (seed it first).
+
+    Never a collective: callers hold the full parameters (Distributed.full_parameters) before
+    generating, so each process decodes alone. Left to itself, transformers turns ``synced_gpus``
+    on for an FSDP-managed model with several processes and all-reduces a flag at every token: a
+    process that generates alone (or for fewer prompts, or stops earlier) would wait forever."""
     config = sampling_config(gen, stop_token_id, pad_token_id)
     with no_checkpointing(model), without_hub_generation_defaults(model):
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
+                             synced_gpus=False)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)
     # generate() stops early when every row is done; pad to a fixed T so shapes never vary.
