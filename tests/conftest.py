@@ -64,10 +64,15 @@ def float32_unless_asked():
 def tiny_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
     """--set overrides that point a recipe at the tiny models and a temporary run directory (float32:
     train.mixed_precision no, also in subprocesses, which float32_unless_asked does not reach)."""
+    return model_overrides(models, output_dir, **{"train.mixed_precision": "no", **extra})
+
+
+def model_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
+    """Only what a user of the shipped recipes changes: the models (the tiny ones) and where runs go;
+    every other setting, train.mixed_precision included, is the recipe's (or ``extra``)."""
     sets = {
         "policy.path": str(models / "policy"),
         "output_dir": str(output_dir),
-        "train.mixed_precision": "no",
         "reward.components": (
             "[{type: classifier, path: '%s', labels: {negative: -1.0, neutral: 0.1, positive: 10.0}, "
             "scale_by_confidence: true}]" % (models / "reward")

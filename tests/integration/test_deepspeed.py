@@ -41,7 +41,7 @@ def _every_parameter_partitioned(out: Path) -> Path:
 
 def _train(models: Path, out: Path, config: str, **sets) -> subprocess.CompletedProcess:
     settings = {
-        "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+        "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1, "ppo.ppo_epochs": 1,
         "ppo.max_kl": "null", "generation.max_new_tokens": 8, "train.total_updates": 2, "optim.max_grad_norm": 0.5,
         **sets,
