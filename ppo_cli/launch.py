@@ -106,8 +106,10 @@ def quiet_launch(argv: list[str]) -> int:
             return failure.exitcode
         from ppo_cli.cli import print_error
 
-        print_error(f"process {rank} was killed by {failure.signal_name()}",
-                    hint="SIGKILL often means the machine ran out of memory: see `ppo plan RECIPE`")
+        name = failure.signal_name()
+        print_error(f"process {rank} was killed by {name}",
+                    hint="SIGKILL often means the machine ran out of memory: see `ppo plan RECIPE`" if name == "SIGKILL"
+                    else "the other processes' lines above say what they saw")
         return 1
     return 0
 

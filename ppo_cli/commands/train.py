@@ -360,7 +360,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     return before
 
 
-def _finish(state, run_dir, eval_prompts, before, after, merge: bool, started: float, observer=None,
+def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
             full_state: dict | None = None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
     weights under FSDP, see save_policy_and_value)."""
@@ -517,6 +517,6 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     enter_phase("checkpoint")
     full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
     with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
-        summary = _finish(state, run_dir, eval_prompts, before, after, merge, started, observer, full_state) if dist.is_main else {}
+        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
