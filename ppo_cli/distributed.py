@@ -270,7 +270,9 @@ class Distributed(ShardingMixin):
         if self.world_size == 1:
             return tensor
         if tensor.dim() > 1:
-            tensor = self.accelerator.pad_across_processes(tensor, dim=1)
+            # accelerate pads by adding the pad value to zeros, which turns a bool tensor into int64 on
+            # the processes that pad only: the all-gather would then mix dtypes (gloo aborts the run).
+            tensor = self.accelerator.pad_across_processes(tensor, dim=1).to(tensor.dtype)
         return self.accelerator.gather(tensor.contiguous())
 
     def gather_objects(self, obj) -> list:

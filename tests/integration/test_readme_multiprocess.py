@@ -49,15 +49,6 @@ def _env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
-# Found by these tests, not caused by the evaluation: the shipped recipe on 2 processes (DDP or FSDP,
-# data.eval_prompts and ppo.max_kl off too, the code before evaluation ran on every process as well)
-# dies at update 9-12, when most responses end early: gloo "op.preamble.length <= op.nbytes. 6144 vs
-# 768 ... collective mismatch" (SIGABRT). The SMALL settings of test_fsdp.py / test_distributed.py
-# (10 tokens, 4 updates) never reach it.
-COLLECTIVE_MISMATCH = pytest.mark.xfail(
-    strict=True, reason="collective mismatch at update 9-12 of the shipped recipe on 2 processes (pre-existing)")
-
-
 def _assert_complete_run(run: Path, processes: int) -> None:
     assert (run / "final/adapter_model.safetensors").is_file()
     assert (run / "final/critic/value_adapter/adapter_model.safetensors").is_file()  # the recipe's critic
@@ -69,7 +60,6 @@ def _assert_complete_run(run: Path, processes: int) -> None:
     assert summary["after"]["score"] == pytest.approx(evaluation["after"]["score"])
 
 
-@COLLECTIVE_MISMATCH
 def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
     """accelerate launch --config_file recipes/accelerate/fsdp.yaml -m ppo_cli train recipes/tiny_sentiment.yaml"""
     command = [*_accelerate_launch(), "--config_file", "recipes/accelerate/fsdp.yaml", "--main_process_port", str(_free_port()),
@@ -79,7 +69,6 @@ def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
 
 
-@COLLECTIVE_MISMATCH
 def test_the_readme_ddp_command_trains_and_evaluates(tiny_models, tmp_path):
     """ppo train recipes/tiny_sentiment.yaml --num-processes 2"""
     command = [sys.executable, "-m", "ppo_cli", "train", RECIPE, "--num-processes", "2", *_where(tiny_models, tmp_path)]
