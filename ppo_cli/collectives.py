@@ -106,7 +106,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop and join the thread: a daemon thread still alive while the interpreter shuts down
+        aborted a DeepSpeed process at exit ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
         watched, since = None, 0.0
