@@ -110,6 +110,8 @@ def gathered_parameters(model: torch.nn.Module, per_block: bool = False):
     process must then run the same forwards: generate() runs in step (transformers' synced_gpus,
     which it turns on for a model marked as FSDP-managed) until every process has finished.
     """
+    from ppo_cli.engine.generate import DECODE_IN_STEP
+
     units = [model] if per_block else _fsdp_units(model)
     # FSDP2 takes the first module to run forward as its root; the rollout runs the blocks before any
     # forward of the root, so settle the root first (torch 2.13: private, no public equivalent).
@@ -133,20 +135,22 @@ def gathered_parameters(model: torch.nn.Module, per_block: bool = False):
         yield
     finally:
         for module in managed:
-            del module._is_fsdp_managed_module
+            delattr(module, DECODE_IN_STEP)  # the attribute _marked_fsdp_managed set
         for unit, reshard in zip(units, reshards):
             unit.reshard()
             unit.set_reshard_after_forward(reshard, recurse=False)
 
 
 def _marked_fsdp_managed(model: torch.nn.Module) -> list:
-    """Mark the transformers models under ``model`` as FSDP-managed (the attribute transformers' own
-    FSDP2 setup sets), so generate() steps in sync across processes. Returns the modules marked."""
+    """Mark the transformers models under ``model`` so that generate() steps in sync across processes
+    (engine/generate.py passes synced_gpus for a marked model). Returns the modules marked."""
     from transformers import PreTrainedModel
 
-    marked = [m for m in model.modules() if isinstance(m, PreTrainedModel) and not hasattr(m, "_is_fsdp_managed_module")]
+    from ppo_cli.engine.generate import DECODE_IN_STEP
+
+    marked = [m for m in model.modules() if isinstance(m, PreTrainedModel) and not hasattr(m, DECODE_IN_STEP)]
     for module in marked:
-        module._is_fsdp_managed_module = True
+        setattr(module, DECODE_IN_STEP, True)
     return marked
 
 
@@ -230,23 +234,27 @@ def _unwrap_optimizer(optimizer):
 
 class Distributed(ShardingMixin):
     def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
-                 weights_dtype: torch.dtype = torch.float32, widths: tuple[int, int] | None = None):
+                 weights_dtype: torch.dtype = torch.float32, widths: tuple[int, int] | None = None,
+                 collective_timeout_s: int | None = None):
         """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
         ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast); ``widths``:
-        the policy's (hidden, intermediate), where the CPU probe measures (None: no probe)."""
+        the policy's (hidden, intermediate), where the CPU probe measures (None: no probe);
+        ``collective_timeout_s``: the process group's timeout (train.collective_timeout_s), None: the backend's."""
         from accelerate import Accelerator
 
         from ppo_cli.engine.precision import PrecisionChoice, check_mixed_precision, resolve_mixed_precision
 
+        # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
+        cpu = device_name == "cpu" or not torch.cuda.is_available()
         if launched_with_deepspeed():
+            init_processes(False, collective_timeout_s, **deepspeed_init_kwargs())
             # DeepSpeed casts the engine's model itself, as its accelerate config says (mixed_precision).
             self.accelerator = Accelerator(**deepspeed_accelerator_kwargs())
             load_models_whole(self.accelerator.state.deepspeed_plugin)
             self.mixed_precision = self.accelerator.mixed_precision
             self.precision = PrecisionChoice(mixed_precision, self.mixed_precision, "the DeepSpeed config")
             return
-        # On a CPU-only machine accelerate needs cpu=True to pick gloo for several processes.
-        cpu = device_name == "cpu" or not torch.cuda.is_available()
+        init_processes(cpu, collective_timeout_s)
         device = torch.device("cpu" if cpu else "cuda")
         self.precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision(), widths)
         check_mixed_precision(self.precision.value, device)
@@ -266,7 +274,7 @@ class Distributed(ShardingMixin):
 
         device = resolve_device(recipe.train.device)
         return cls(recipe.train.device, recipe.train.mixed_precision, resolve_dtype(recipe.policy.dtype, device),
-                   probe_widths(recipe, device))
+                   probe_widths(recipe, device), recipe.train.collective_timeout_s)
 
     @property
     def rank(self) -> int:
@@ -312,7 +320,9 @@ class Distributed(ShardingMixin):
         if self.world_size == 1:
             return tensor
         if tensor.dim() > 1:
-            tensor = self.accelerator.pad_across_processes(tensor, dim=1)
+            # accelerate pads by adding the pad value to zeros, which turns a bool tensor into int64 on
+            # the processes that pad only: the all-gather would then mix dtypes (gloo aborts the run).
+            tensor = self.accelerator.pad_across_processes(tensor, dim=1).to(tensor.dtype)
         return self.accelerator.gather(tensor.contiguous())
 
     def gather_objects(self, obj) -> list:
@@ -324,12 +334,31 @@ class Distributed(ShardingMixin):
         return gather_object([obj])
 
 
+def init_processes(cpu: bool, timeout_s: int | None, **kwargs) -> None:
+    """Join the process group (a no-op for one process, or once joined) with ``timeout_s`` as every
+    collective's timeout. Accelerator's InitProcessGroupKwargs cannot carry it: accelerate passes on
+    only values that differ from its defaults (NCCL's 600 s), so 600 would leave gloo at its 1800 s.
+    The Accelerator built next finds the process state made here and keeps it."""
+    from datetime import timedelta
+
+    from accelerate.state import PartialState
+
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    PartialState(cpu=cpu, **kwargs)
+
+
 # --- DeepSpeed (accelerate launch with distributed_type: DEEPSPEED) --------------------------------
 
 
 def launched_with_deepspeed() -> bool:
     """`accelerate launch` with a DeepSpeed config sets this for every process it starts."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def deepspeed_init_kwargs() -> dict:
+    """The process group's backend under DeepSpeed: gloo on CPU (deepspeed_accelerator_kwargs)."""
+    return {} if torch.cuda.is_available() else {"backend": "gloo"}
 
 
 def deepspeed_accelerator_kwargs() -> dict:

@@ -1,7 +1,9 @@
 """`ppo train --num-processes N`: the same command under `accelerate launch`, N data-parallel processes.
 
 The launched processes get the user's command line whole, less the launcher's own options: whatever
-`ppo train` accepts (today's options and tomorrow's) reaches them unchanged.
+`ppo train` accepts (today's options and tomorrow's) reaches them unchanged. The launcher is accelerate's,
+run by this module's ``main`` so that a process that fails is said once, by that process, in one line
+(accelerate's own launcher ends with a traceback of torchrun's ChildFailedError).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def launch_command(num_processes: int, ppo_args: list[str], config_file=None) ->
     ppo_cli asks accelerate for cpu=True there) and precision comes from the recipe (train.mixed_precision:
     the launcher's 'no' reads as "not set", distributed.launcher_mixed_precision).
     """
-    launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+    launcher = [sys.executable, "-m", "ppo_cli.launch"]
     if config_file is not None:
         launcher += ["--config_file", str(config_file)]
         launcher += ["--num_processes", str(num_processes)] if num_processes > 1 else []
@@ -79,3 +81,38 @@ def config_uses_deepspeed(config_file: Path) -> bool:
     except (OSError, yaml.YAMLError):
         return False  # accelerate itself says what is wrong with the file
     return isinstance(config, dict) and str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
+
+
+def quiet_launch(argv: list[str]) -> int:
+    """`accelerate launch ARGV`; returns the exit code of the process that failed first (0 when none did).
+
+    A process that exits with a code has printed its own error line; one killed by a signal (the
+    out-of-memory killer's SIGKILL, a crash) could not, so that line is printed here. torchrun's log
+    lines (each failure, each process it stops) are left out: they repeat what the processes said.
+    """
+    import logging
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    quiet = logging.getLogger("torch.distributed.elastic")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        from ppo_cli.cli import print_error
+
+        name = failure.signal_name()
+        print_error(f"process {rank} was killed by {name}",
+                    hint="SIGKILL often means the machine ran out of memory: see `ppo plan RECIPE`" if name == "SIGKILL"
+                    else "the other processes' lines above say what they saw")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_launch(sys.argv[1:]))

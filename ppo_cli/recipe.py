@@ -367,6 +367,14 @@ class TrainConfig(Section):
         "process once per rollout (fewer, larger all-gathers; the whole policy in memory). Same numbers either way; "
         "peak memory per process measured in docs/benchmarks.md. Ignored without FSDP.",
     )
+    collective_timeout_s: int = Field(
+        600, gt=0,
+        description="Several processes: seconds a collective (all-reduce, all-gather, barrier) may wait for the other "
+        "processes before every process stops with one line naming the phase (loading, rollout, update, evaluation, "
+        "checkpoint) and exit code 1; the last checkpoint stays intact. It is the process group's timeout (gloo and "
+        "NCCL); 600 is NCCL's own default. The other processes wait while the main one writes a checkpoint or final/: "
+        "raise it when that takes longer for your model.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
 from ppo_cli.algo.masking import masked_mean, masked_whiten
+from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
 from ppo_cli.engine.actor_critic import PolicyAndValue
 from ppo_cli.engine.data import PromptSampler
@@ -327,6 +328,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
 
     # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
     size, dist = recipe.ppo.rollout_batch_size, state.dist
+    enter_phase("rollout")
     prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
     with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
         rollout = engine.collect_rollout(prompts)
@@ -338,6 +340,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     skip_reason = find_non_finite(rollout, adv)
     if dist.any(skip_reason is not None):  # every process must skip together
         skip_reason = skip_reason or "non-finite numbers on another process"
+    enter_phase("update")
     with memory_phase("updating the policy and critic"):
         stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:

@@ -69,10 +69,15 @@ def tiny_overrides(models: Path, output_dir: Path, float32: bool = False, **extr
     train.mixed_precision is the default, auto (the probe decides), although recipes/tiny_sentiment.yaml
     pins 'no' for its users; ``float32`` pins 'no', for tests that compare float32 numbers across two
     ways of computing them (bf16 autocast would round them apart)."""
+    return model_overrides(models, output_dir, **{"train.mixed_precision": "no" if float32 else "auto", **extra})
+
+
+def model_overrides(models: Path, output_dir: Path, **extra) -> list[str]:
+    """Only what a user of the shipped recipes changes: the models (the tiny ones) and where runs go;
+    every other setting, train.mixed_precision included, is the recipe's (or ``extra``)."""
     sets = {
         "policy.path": str(models / "policy"),
         "output_dir": str(output_dir),
-        "train.mixed_precision": "no" if float32 else "auto",
         "reward.components": (
             "[{type: classifier, path: '%s', labels: {negative: -1.0, neutral: 0.1, positive: 10.0}, "
             "scale_by_confidence: true}]" % (models / "reward")

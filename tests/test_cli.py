@@ -323,7 +323,7 @@ def test_a_users_accelerate_config_is_launched_as_written(tmp_path):
 
     config = tmp_path / "fsdp.yaml"
     with_config = launch_command(1, ["train", "r.yaml", "--set", "seed=1"], config)
-    assert with_config[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(config),
+    assert with_config[1:] == ["-m", "ppo_cli.launch", "--config_file", str(config),
                                "-m", "ppo_cli", "train", "r.yaml", "--set", "seed=1"]
     assert launch_command(4, ["train", "r.yaml"], config)[5:7] == ["--num_processes", "4"]
     default = launch_command(2, ["train", "r.yaml"])

@@ -20,10 +20,15 @@ from ppo_cli.errors import CheckpointError, Interrupted, PpoError, UsageError
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
+# Seconds past train.collective_timeout_s before the watchdog ends a process stuck in one collective
+# (gloo raises at the timeout itself), and that a process leaving after a timeout may take.
+WATCHDOG_GRACE_S = 60
+EXIT_GRACE_S = 30
+
 # Keys that may change between a run and its resume: how long it runs and how it logs.
 RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
                      "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
-                     "train.num_threads", "train.fsdp_rollout", "monitor.", "logging.")
+                     "train.num_threads", "train.fsdp_rollout", "train.collective_timeout_s", "monitor.", "logging.")
 
 
 @dataclass
@@ -172,27 +177,60 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 # --- the run -------------------------------------------------------------------------------------
 
 
-def evaluate(engine, prompts: list[str], seed: int) -> dict:
-    """Mean score, EOS rate, length and KL to the reference (summed over each response, as `ppo eval`
-    reports it) on held-out prompts, sampled with a fixed seed."""
+def share_of(items: list, rank: int, world_size: int) -> list:
+    """Process ``rank``'s contiguous share of ``items`` (sizes differ by at most one, possibly empty):
+    concatenated in rank order, the shares are ``items``."""
+    per, extra = divmod(len(items), world_size)
+    start = rank * per + min(rank, extra)
+    return items[start:start + per + (1 if rank < extra else 0)]
+
+
+def _evaluate_share(engine, prompts: list[str], seed: int) -> dict:
+    """Responses and per-response numbers for ``prompts``, sampled alone (no collective: the caller
+    holds the full parameters) with the torch RNG seeded to ``seed``."""
     import torch
 
     from ppo_cli.commands.rollout import sequence_kl
 
+    if not prompts:
+        return {"responses": [], "scores": [], "finished": torch.zeros(0, dtype=torch.bool),
+                "lengths": torch.zeros(0, dtype=torch.long), "kl": torch.zeros(0)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         generation = engine.generate(prompts)
         responses = engine.decode_responses(generation)
         result = engine.score(prompts, responses, generation)
         kl = sequence_kl(engine, generation)
+    return {"responses": responses, "scores": list(result.scores), "finished": generation.finished,
+            "lengths": generation.response_lengths, "kl": kl}
+
+
+def evaluate(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
+    """Mean score, EOS rate, length and KL to the reference (summed over each response, as `ppo eval`
+    reports it) on held-out prompts, sampled with a fixed seed.
+
+    Collective with ``dist``: every process samples its share of the prompts (share_of) with the seed
+    plus its rank, so one process computes exactly what it always did; the main process gets every
+    prompt's result in the prompts' order, the others None. Under FSDP or ZeRO-3 call it inside
+    ``dist.full_parameters``: generation then needs no communication."""
+    import torch
+
+    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    mine = _evaluate_share(engine, share_of(prompts, rank, world_size), seed + rank)
+    if world_size > 1:
+        parts = dist.gather_objects({k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
+        if not dist.is_main:
+            return None
+        mine = {k: torch.cat([p[k] for p in parts]) if torch.is_tensor(mine[k]) else [x for p in parts for x in p[k]]
+                for k in mine}
     return {
-        "score": sum(result.scores) / len(result.scores),
-        "eos_rate": generation.finished.float().mean().item(),
-        "response_length": generation.response_lengths.float().mean().item(),
-        "kl": kl.mean().item(),
+        "score": sum(mine["scores"]) / len(mine["scores"]),
+        "eos_rate": mine["finished"].float().mean().item(),
+        "response_length": mine["lengths"].float().mean().item(),
+        "kl": mine["kl"].mean().item(),
         "samples": [
             {"prompt": p, "response": r, "score": s, "finished": bool(f)}
-            for p, r, s, f in zip(prompts, responses, result.scores, generation.finished.tolist())
+            for p, r, s, f in zip(prompts, mine["responses"], mine["scores"], mine["finished"].tolist())
         ],
     }
 
@@ -235,6 +273,7 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
     Returns the main process's RunObserver (None elsewhere)."""
     from ppo_cli import report
     from ppo_cli.checkpoint import save_checkpoint
+    from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.observe import RunObserver
     from ppo_cli.runs import JsonlWriter
     from ppo_cli.trainer import train
@@ -260,6 +299,7 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
                 # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
                 # The last update is checkpointed too when due, so raising total_updates resumes after it.
                 if due and state.consecutive_skips == 0:
+                    enter_phase("checkpoint")
                     save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
                 if stopping and not last:
                     raise Interrupted(
@@ -291,30 +331,22 @@ def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
 
 
 def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
-    """Held-out scores of the starting policy, saved so a resumed run reports the same 'before'."""
+    """Held-out scores of the starting policy, saved so a resumed run reports the same 'before'.
+    Collective: every process takes its share (None on the others)."""
     from ppo_cli.runs import atomic_write_text
 
     path = run_dir.path / "eval_before.json"
-    if not eval_prompts or not dist.is_main:
+    if not eval_prompts:
         return None
-    if path.exists():
-        return json.loads(path.read_text())
-    before = evaluate(engine, eval_prompts, recipe.seed)
-    atomic_write_text(path, json.dumps(before, indent=2))
+    if dist.gather_objects(path.exists())[0]:  # the main process's view, so all skip or none
+        return json.loads(path.read_text()) if dist.is_main else None
+    before = evaluate(engine, eval_prompts, recipe.seed, dist)
+    if dist.is_main:
+        atomic_write_text(path, json.dumps(before, indent=2))
     return before
 
 
-def _gathered_for(dist, model, eval_prompts):
-    """Whole parameters for the main process's evaluation and final/; under FSDP, final/ is written from
-    the gathered state (full_model_state), so without evaluation nothing is gathered whole."""
-    import contextlib
-
-    if dist.shards_parameters and not eval_prompts:
-        return contextlib.nullcontext()
-    return dist.full_parameters(model)
-
-
-def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, observer=None,
+def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
             full_state: dict | None = None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
     weights under FSDP, see save_policy_and_value)."""
@@ -326,7 +358,6 @@ def _finish(state, run_dir, eval_prompts, before, merge: bool, started: float, o
     from ppo_cli.runs import atomic_write_text
 
     recipe, engine = state.recipe, state.engine
-    after = evaluate(engine, eval_prompts, recipe.seed) if eval_prompts else None
     numbers = {when: {k: v for k, v in (result or {}).items() if k != "samples"} for when, result in
                (("before", before), ("after", after))}
     info = {
@@ -393,22 +424,48 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
         resume: str | None = None, force: bool = False) -> TrainResult:
     if resume is not None and overwrite:
         raise UsageError("--resume and --overwrite cannot be used together", hint="--resume continues a run; --overwrite replaces it")
-    from ppo_cli.runs import RunDir, check_run_dir, discard_unstarted_run
+    from ppo_cli.runs import RunDir, check_run_dir
 
     prompts, eval_prompts = preflight(recipe)
     checkpoint = find_resume_checkpoint(recipe, resume, force) if resume is not None else None
     if checkpoint is None:
         check_run_dir(RunDir(recipe.run_dir), overwrite)  # reads only; the directory is made after loading
 
+    from ppo_cli import collectives
+
+    collectives.enter("loading")
+    timeout = recipe.train.collective_timeout_s
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # set by accelerate launch / torchrun
+    # A process stuck in one collective well past the timeout (a wait that does not raise) prints the
+    # line and exits; the launcher then stops the others.
+    watchdog = collectives.Watchdog(timeout + WATCHDOG_GRACE_S, timeout).start() if several else None
+    try:
+        return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge)
+    except RuntimeError as err:
+        mapped = collectives.as_collective_error(err, timeout) if several else None
+        if mapped is None:
+            raise
+        collectives.exit_soon(EXIT_GRACE_S)  # leaving may wait on the broken process group: never for long
+        raise mapped from err
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+
+
+def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite: bool,
+                   merge: bool) -> TrainResult:
+    """run() from the process group on: every process runs all of it (collectives inside)."""
     import numpy as np
     import torch
 
     from ppo_cli import report
     from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state
+    from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.session import load_engine
     from ppo_cli.memory_errors import OutOfMemory
     from ppo_cli.memory_errors import phase as memory_phase
+    from ppo_cli.runs import discard_unstarted_run
     from ppo_cli.trainer import init_state
 
     dist = Distributed.for_recipe(recipe)
@@ -435,7 +492,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             _truncate_jsonl(run_dir.samples, state.step)
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
-        with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one evaluates alone
+        enter_phase("evaluation")
+        with dist.full_parameters(state.model):  # every process gathers and evaluates its share
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
@@ -446,8 +504,12 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
         raise
 
+    enter_phase("evaluation")
+    with dist.full_parameters(state.model):  # every process gathers and evaluates its share
+        after = evaluate(engine, eval_prompts, recipe.seed, dist) if eval_prompts else None
+    enter_phase("checkpoint")
     full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
-    with _gathered_for(dist, state.model, eval_prompts):  # every process gathers; the main one saves final/
-        summary = _finish(state, run_dir, eval_prompts, before, merge, started, observer, full_state) if dist.is_main else {}
+    with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
+        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -89,13 +89,26 @@ def no_checkpointing(model):
             layer.gradient_checkpointing = True
 
 
+# Set on a model by Distributed.rollout_parameters when its blocks gather in their own forwards.
+DECODE_IN_STEP = "_ppo_cli_decode_in_step"
+
+
 # no_grad, not inference_mode: inference tensors could not be fed to the update's autograd later.
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int) -> Generation:
-    """Sample one response per prompt row. The global torch RNG drives sampling (seed it first)."""
+    """Sample one response per prompt row. The global torch RNG drives sampling (seed it first).
+
+    A collective only inside Distributed.rollout_parameters under FSDP per_block, which marks the
+    model: each block all-gathers in its forward, so every process decodes in step until all have
+    finished (transformers' synced_gpus). Everywhere else callers hold the full parameters and each
+    process decodes alone: left to itself, transformers would turn ``synced_gpus`` on for any
+    FSDP-managed model with several processes, and a process that generates alone (or for fewer
+    prompts, or stops earlier) would wait forever."""
     config = sampling_config(gen, stop_token_id, pad_token_id)
+    in_step = bool(getattr(model, DECODE_IN_STEP, False))
     with no_checkpointing(model), without_hub_generation_defaults(model):
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
+                             synced_gpus=in_step)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)
     # generate() stops early when every row is done; pad to a fixed T so shapes never vary.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, model_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +26,13 @@ def _train(models: Path, out: Path, *extra: str, **sets) -> subprocess.Completed
     reward = out / "prompt_log.py"
     reward.write_text(PROMPT_LOG)
     settings = {
-        "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+        "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "reward.components": "[{type: function, function: '%s:reward'}]" % reward,
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1,
         "generation.max_new_tokens": 10, "train.total_updates": 4, "train.save_every": 2, **sets,
     }
     args = [sys.executable, "-m", "ppo_cli", "train", str(ROOT / "recipes/tiny_sentiment.yaml"), "--num-processes", "2"]
-    # float32: two processes must reproduce one process's metrics to 1e-6.
-    for item in tiny_overrides(models, out, float32=True, **settings):
+    for item in model_overrides(models, out, **settings):
         args += ["--set", item]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PROMPT_LOG_DIR": str(out)}
     return subprocess.run(args + list(extra), env=env, capture_output=True, text=True, timeout=600)
@@ -60,13 +59,39 @@ def test_two_processes_train_and_only_the_main_one_writes(two_process_run):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
 
 
+EVAL_PROMPTS = (ROOT / "recipes/prompts/reviews_eval.txt").read_text().splitlines()
+
+
+def _reward_calls(out: Path, rank: int) -> tuple[list, list]:
+    """(training calls, held-out evaluation calls) of one process's reward function, in order."""
+    calls = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+    evaluation = [c for c in calls if set(c) <= set(EVAL_PROMPTS)]
+    return [c for c in calls if c not in evaluation], evaluation
+
+
 def test_each_process_sees_different_prompts_in_every_update(two_process_run):
-    calls = {rank: [json.loads(line) for line in (two_process_run / f"rank{rank}.jsonl").read_text().splitlines()]
-             for rank in (0, 1)}
+    calls = {rank: _reward_calls(two_process_run, rank)[0] for rank in (0, 1)}
     assert len(calls[0]) == len(calls[1]) == 4
     for update, (mine, theirs) in enumerate(zip(calls[0], calls[1])):
         assert len(mine) == len(theirs) == 4
         assert not set(mine) & set(theirs), f"update {update + 1} shared prompts"
+
+
+def test_every_process_evaluates_its_half_and_eval_json_has_every_prompt_in_order(two_process_run):
+    """Before and after training, each process scores its contiguous half of the held-out prompts (so
+    a sharded model is used by all processes at once); eval.json holds all of them in file order."""
+    assert len(EVAL_PROMPTS) == 16
+    for rank in (0, 1):
+        assert _reward_calls(two_process_run, rank)[1] == [EVAL_PROMPTS[8 * rank:8 * rank + 8]] * 2  # before, after
+    run = two_process_run / "tiny-sentiment"
+    evaluation = json.loads((run / "eval.json").read_text())
+    for when in ("before", "after"):
+        samples = evaluation[when]["samples"]
+        assert [s["prompt"] for s in samples] == EVAL_PROMPTS
+        assert evaluation[when]["score"] == pytest.approx(sum(s["score"] for s in samples) / 16)
+        assert evaluation[when]["eos_rate"] == pytest.approx(sum(s["finished"] for s in samples) / 16)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["after"]["score"] == pytest.approx(evaluation["after"]["score"])
 
 
 def test_resume_with_two_processes_continues_exactly(two_process_run, tiny_models):
@@ -80,3 +105,4 @@ def test_resume_with_two_processes_continues_exactly(two_process_run, tiny_model
         for key, value in want.items():
             if isinstance(value, (int, float)) and not key.startswith("time/") and key != "tokens_per_s":
                 assert got[key] == pytest.approx(value, abs=1e-6), (got["step"], key)
+

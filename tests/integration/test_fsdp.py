@@ -13,12 +13,12 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, model_overrides
 
 pytestmark = pytest.mark.slow
 FSDP_CONFIG = ROOT / "recipes/accelerate/fsdp.yaml"
 SMALL = {
-    "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    "data.prompts": ROOT / "recipes/prompts/reviews.txt",
     "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1,
     "generation.max_new_tokens": 10, "train.total_updates": 4, "train.save_every": 2,
 }
@@ -34,8 +34,7 @@ def _cmd(models: Path, out: Path, *extra: str, fsdp: bool = True, **sets) -> lis
                 "--main_process_port", str(_free_port()), "-m", "ppo_cli", "train", recipe]
     else:
         args = [sys.executable, "-m", "ppo_cli", "train", recipe, "--num-processes", "2"]
-    # float32: FSDP is held to DDP's metrics to 1e-5 (AGREES_WITH_DDP).
-    for item in tiny_overrides(models, out, float32=True, **{**SMALL, **sets}):
+    for item in model_overrides(models, out, **{**SMALL, **sets}):
         args += ["--set", item]
     return args + list(extra)
 
