@@ -1,4 +1,5 @@
-"""Forward passes that give per-token log-probs and values for the response part of sequences.
+"""A model's forward at the response positions: its logits (for per-token log-probs) or its hidden states
+(what a value head reads; the ActorCritic's forwards that add values are engine/actor_critic.py).
 
 Shapes: B sequences, L = P + T tokens (left-padded prompt of P, right-padded response of T), H hidden,
 V vocabulary. Position t of the response is predicted by position P - 1 + t, so the outputs are
