@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, save_adapter, unwrap_causal_lm
+from ppo_cli.engine.actor_critic import ActorCritic
+from ppo_cli.engine.models import POLICY_ADAPTER, save_adapter, unwrap_causal_lm
+from ppo_cli.engine.weights import load_safetensors_into, part_of
 from ppo_cli.memory_errors import disk_space_for
 from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
@@ -82,15 +84,6 @@ def without_tied_copies(model: torch.nn.Module, state: dict | None) -> dict | No
     kept = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
     return {name: tensor for name, tensor in state.items() if name not in tied}
-
-
-def part_of(state: dict | None, prefix: str) -> dict | None:
-    """The entries of ``state`` under ``prefix``, named relative to it; None when there are none (a
-    frozen whole model, left out of the gathered state: read it from its modules)."""
-    if state is None:
-        return None
-    part = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
-    return part or None
 
 
 def critic_dir(directory: Path) -> Path:
@@ -289,24 +282,6 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The newest step-N directory with a manifest (an interrupted write has none)."""
     complete = sorted(p for p in checkpoints_dir.glob("step-*") if (p / MANIFEST).is_file())
     return complete[-1] if complete else None
-
-
-def load_safetensors_into(module: torch.nn.Module, files: list[Path]) -> None:
-    from safetensors.torch import load_file
-
-    state = {}
-    for file in files:
-        state.update(load_file(file))
-    result = module.load_state_dict(state, strict=False)
-    tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
-    if result.unexpected_keys or set(result.missing_keys) - tied:
-        from ppo_cli.errors import CheckpointError
-
-        raise CheckpointError(
-            f"checkpoint weights do not fit the model (missing {sorted(result.missing_keys)[:3]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:3]})",
-            hint="resume with the recipe the run was started with",
-        )
 
 
 def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:

@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 
 from ppo_cli import __version__
 from ppo_cli.commands import inputs
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError, first_line
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError, first_line, print_error, stderr_console
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -115,7 +115,7 @@ def validate(
         raise typer.Exit(err.exit_code) from None
     result = run(resolved, check_files=check_files)
     print_yaml(result.resolved_yaml)
-    _stderr().print(result.summary)
+    stderr_console().print(result.summary)
 
 
 @app.command()
@@ -155,10 +155,10 @@ def train(
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    if num_processes > 1 and resolved.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import check_one_process
+    if num_processes > 1:  # refused before launching
+        from ppo_cli.commands.inputs import check_vllm_backend
 
-        check_one_process(num_processes)
+        check_vllm_backend(resolved, num_processes)
     if num_processes > 1 or accelerate_config is not None:
         from ppo_cli.launch import launch_train
 
@@ -389,16 +389,6 @@ def report_error(err: BaseException) -> int:
     return EXIT_RUNTIME
 
 
-def print_error(message: str, hint: str | None = None) -> None:
-    from rich.text import Text
-
-    console = _stderr()
-    # Text, not a markup string: messages quote user input such as '[bold]' or '[/]'.
-    console.print(Text.assemble(("error:", "bold red"), " ", message))
-    if hint:
-        console.print(Text.assemble(("hint:", "bold"), " ", hint))
-
-
 def print_yaml(text: str) -> None:
     """YAML on stdout: highlighted on a terminal, plain (pipeable) otherwise."""
     if sys.stdout.isatty():
@@ -408,13 +398,6 @@ def print_yaml(text: str) -> None:
         Console().print(Syntax(text, "yaml", background_color="default"))
     else:
         sys.stdout.write(text)
-
-
-def _stderr():  # type: ignore[no-untyped-def]
-    from rich.console import Console
-
-    # Made per call so a redirected sys.stderr (tests, CliRunner) is honoured; soft_wrap: one line stays one.
-    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _debug_first(args: list[str]) -> list[str]:

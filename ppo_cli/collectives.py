@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from ppo_cli.errors import PpoError
+from ppo_cli.errors import PpoError, print_error
 
 PHASES = ("loading", "rollout", "update", "evaluation", "checkpoint")
 _current = {"phase": "loading"}
@@ -127,8 +127,6 @@ class Watchdog:
                 return
 
     def _exit(self, phase: str) -> None:
-        from ppo_cli.cli import print_error
-
         err = CollectiveTimeout(phase, self.timeout_s)
         print_error(err.message, err.hint)
         sys.stderr.flush()

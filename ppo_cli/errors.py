@@ -75,3 +75,22 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(err).strip()
     return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    """``error: <message>`` and ``hint: <hint>`` on stderr: how every process (the CLI, the launcher,
+    the collective watchdog) shows a PpoError."""
+    from rich.text import Text
+
+    console = stderr_console()
+    # Text, not a markup string: messages quote user input such as '[bold]' or '[/]'.
+    console.print(Text.assemble(("error:", "bold red"), " ", message))
+    if hint:
+        console.print(Text.assemble(("hint:", "bold"), " ", hint))
+
+
+def stderr_console():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    # Made per call so a redirected sys.stderr (tests, CliRunner) is honoured; soft_wrap: one line stays one.
+    return Console(stderr=True, highlight=False, soft_wrap=True)

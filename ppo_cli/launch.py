@@ -104,7 +104,7 @@ def quiet_launch(argv: list[str]) -> int:
         rank, failure = err.get_first_failure()
         if failure.exitcode > 0:
             return failure.exitcode
-        from ppo_cli.cli import print_error
+        from ppo_cli.errors import print_error
 
         name = failure.signal_name()
         print_error(f"process {rank} was killed by {name}",

@@ -30,13 +30,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppo_cli.auto import value_kind, value_model_path, value_settings, weights_dtype
+from ppo_cli.engine.critics import CRITICS
+from ppo_cli.plan_units import DTYPE_BYTES, GB, QUANT_BYTES, Line, activation_floats_per_token_layer, weights_how
 from ppo_cli.recipe import LoraConfig, Recipe
 
-GB = 1e9
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-# bitsandbytes: nf4 with double quantization = 4 bits + an 8-bit absmax per 64 values + a float32
-# per 256 absmax blocks; LLM.int8 = 1 byte + a float32 scale per output row (~0 per parameter).
-QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
 # CPU: glibc keeps the update's freed activations in the heap for reuse (ppo_cli turns off trimming,
 # engine/session.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
@@ -175,15 +173,6 @@ class Settings:
 
 
 @dataclass
-class Line:
-    role: str
-    part: str
-    gb: float
-    how: str
-    phase: str = "static"  # static | update | rollout | runtime
-
-
-@dataclass
 class Estimate:
     lines: list[Line]
     update_gb: float  # the update's transient peak (activations, logits)
@@ -196,16 +185,6 @@ class Estimate:
     @property
     def total_gb(self) -> float:
         return self.static_gb + max(self.update_gb, self.rollout_gb)
-
-
-def activation_floats_per_token_layer(shape: ModelShape, trains_weights: bool, lora_r: int, seq_len: int) -> float:
-    """Values the backward needs per token and decoder layer (measured on Qwen2 with SDPA attention,
-    scripts/bench_vs_trl.py plan-check): norms' inputs and outputs, q/k/v/attention outputs, the
-    attention's log-sum-exp, the MLP's gate/up/act/product; a frozen LoRA base skips the norm weights'
-    inputs and adds 7 r-sized LoRA intermediates; the causal mask adds L/2."""
-    H, I = shape.hidden, shape.intermediate
-    base = 10 * H + 4 * I if trains_weights else 8 * H + 4 * I + 7 * lora_r
-    return base + seq_len / 2
 
 
 def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards: list[ModelShape],
@@ -238,7 +217,6 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                           reference.weight_bytes(s.reference_dtype, s.reference_quantization) / GB,
                           "frozen copy: " + weights_how(reference, s.reference_dtype, s.reference_quantization)))
     # --- value: what the critic kind keeps besides the policy (engine/critics.py)
-    from ppo_cli.engine.critics import CRITICS
 
     critic = CRITICS[s.value_kind].memory(s, policy, value, lora)
     lines += critic.static
@@ -355,13 +333,6 @@ def _optimizer_state_bytes(optimizer: str, param_bytes: float) -> float:
     return param_bytes if optimizer == "adamw" else 1.0
 
 
-def weights_how(shape: ModelShape, dtype: str, quantization: str) -> str:
-    if quantization == "none":
-        return f"{shape.total_params / 1e6:.1f}M params x {DTYPE_BYTES[dtype]:g} B ({dtype})"
-    return (f"{shape.linear_params / 1e6:.1f}M in linear layers x {QUANT_BYTES[quantization]:.2f} B ({quantization}) "
-            f"+ {(shape.total_params - shape.linear_params) / 1e6:.1f}M x {DTYPE_BYTES[dtype]:g} B")
-
-
 # --- suggestions ----------------------------------------------------------------------------------
 
 
@@ -432,12 +403,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
     """``mixed_precision``: train.mixed_precision resolved (commands/plan.py's planned_precision)."""
 
     def dtype(name: str | None, fallback: str) -> str:
-        name = name or fallback
-        if name == "auto":
-            return "bfloat16" if device == "cuda" else "float32"
-        return name
-
-    from ppo_cli.engine.critics import value_model_path, value_settings
+        return weights_dtype(name or fallback, device)
 
     pol, value = recipe.policy, value_settings(recipe)
     policy_dtype = dtype(pol.dtype, "float32")
@@ -452,7 +418,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         gradient_checkpointing=pol.gradient_checkpointing,
         reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
-        value_kind=recipe.value_kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
+        value_kind=value.kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
         rewards=rewards, micro_batch=update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
         rollout_batch=recipe.ppo.rollout_batch_size,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
@@ -483,9 +449,7 @@ def model_shapes(recipe: Recipe) -> dict:
     shapes = {"policy": describe_model(pol.path, "causal_lm", revision=pol.revision, **common)}
     if recipe.reference.path is not None:
         shapes["reference"] = describe_model(recipe.reference.path, "causal_lm", **common)
-    if recipe.value_kind == "model":
-        from ppo_cli.engine.critics import value_model_path
-
+    if value_kind(recipe) == "model":
         shapes["value"] = describe_model(value_model_path(recipe), "backbone", **common)
     shapes["rewards"] = [
         describe_model(c.path, "classifier", trust_remote_code=c.trust_remote_code)

@@ -14,10 +14,15 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ppo_cli.engine.critics import CRITIC_KINDS, CRITICS, resolve_kind
-
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Quantization = Literal["none", "4bit", "8bit"]
+
+# value.kind's names, each a Critic class in engine/critics.py's CRITICS (a test checks they agree).
+CRITIC_KINDS = {
+    "adapter": "a second LoRA adapter on the policy's base + a scalar head (needs policy.lora)",
+    "head": "a scalar head on the policy's own hidden states: one forward gives logits and values",
+    "model": "a separate model + a scalar head, from the policy, the reward model (init_from) or value.path",
+}
 
 
 def _rule_error(message: str, hint: str | None = None, key: str | None = None) -> PydanticCustomError:
@@ -85,7 +90,7 @@ class ReferenceConfig(Section):
 class ValueConfig(Section):
     kind: Literal[("auto", *CRITIC_KINDS)] = Field(  # type: ignore[valid-type]
         "auto",
-        description="; ".join(f"{name}: {cls.description}" for name, cls in CRITICS.items())
+        description="; ".join(f"{name}: {description}" for name, description in CRITIC_KINDS.items())
         + ". auto (chosen by wall-clock to a target reward, docs/benchmarks.md): the frozen reward-model critic "
         "(model, init_from: reward, train_backbone: false) when the reward has a scalar `type: model` component of the "
         "policy's architecture and tokenizer, else head, with LoRA and without; model with value.path or "
@@ -486,10 +491,16 @@ class Recipe(Section):
         """Where the run writes: output_dir/name."""
         return Path(self.output_dir) / self.name
 
-    @property
-    def value_kind(self) -> str:
-        """The value model's resolved kind (engine/critics.py resolve_kind: 'auto' made concrete)."""
-        return resolve_kind(self)
+    def _value_kind_as_written(self) -> str:
+        """value.kind, or what 'auto' stands for where the recipe alone decides it ('model' with value.path
+        or init_from reward, 'adapter' with value.lora on a LoRA policy); else 'auto' (head or the frozen
+        reward model: that choice reads the models' files, ppo_cli/auto.py, after validation)."""
+        value = self.value
+        if value.kind != "auto":
+            return value.kind
+        if value.path is not None or value.init_from == "reward":
+            return "model"
+        return "adapter" if value.lora is not None and self.policy.lora is not None else "auto"
 
     @model_validator(mode="after")
     def _roles_fit_together(self) -> "Recipe":
@@ -513,21 +524,22 @@ class Recipe(Section):
                     "add a model or classifier reward component, set `value.path`, or set `value.init_from: policy`",
                     key="value.init_from",
                 )
-        if value.path is not None and self.value_kind != "model":
+        kind = self._value_kind_as_written()
+        if value.path is not None and kind != "model":
             raise _rule_error(
-                f"only used with a separate value model, but the value kind is '{self.value_kind}'",
+                f"only used with a separate value model, but the value kind is '{kind}'",
                 "set `value.kind: model` or remove `value.path`",
                 key="value.path",
             )
-        if value.train_backbone is not None and self.value_kind == "adapter":
+        if value.train_backbone is not None and kind == "adapter":
             raise _rule_error(
                 "not used with value kind 'adapter' (the value adapter is what trains)",
                 "remove `value.train_backbone`, or set `value.kind: head` or `value.kind: model`",
                 key="value.train_backbone",
             )
-        if value.lora is not None and self.value_kind != "adapter":
+        if value.lora is not None and kind != "adapter":
             raise _rule_error(
-                f"only used with value kind 'adapter', but the value kind is '{self.value_kind}'",
+                f"only used with value kind 'adapter', but the value kind is '{kind}'",
                 "remove `value.lora` or set `value.kind: adapter` (needs `policy.lora`)",
                 key="value.lora",
             )

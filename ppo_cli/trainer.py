@@ -25,8 +25,9 @@ from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy
 from ppo_cli.algo.masking import masked_mean, masked_whiten
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
+from ppo_cli.engine.actor_critic import PolicyAndValue
 from ppo_cli.engine.data import PromptSampler
-from ppo_cli.engine.logprobs import PolicyAndValue, selective_log_softmax
+from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.session import Engine
 from ppo_cli.memory_errors import phase as memory_phase
 from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flops

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_cli.auto import value_kind
 from ppo_cli.errors import EXIT_USAGE, RecipeError
 from ppo_cli.recipe import PPOConfig
 from ppo_cli.recipe_loading import (
@@ -69,7 +70,7 @@ def test_load_recipe_base_is_valid(tmp_path):
     assert recipe.name == "demo"
     assert recipe.ppo.num_mini_batches == 2
     assert recipe.ppo.grad_accum_steps == 2
-    assert recipe.value_kind == "head"  # auto, no reward model to start a critic from
+    assert value_kind(recipe) == "head"  # auto, no reward model to start a critic from
     assert recipe.run_dir == Path("runs") / "demo"
 
 
@@ -237,7 +238,7 @@ def test_auto_value_kind_is_a_separate_model_when_initialised_from_the_reward_mo
     recipe = load_recipe(
         write(tmp_path, BASE), ["value.init_from=reward", "reward.components.1={type: model, path: rm}"]
     )
-    assert recipe.value_kind == "model"
+    assert value_kind(recipe) == "model"
 
 
 def test_several_errors_first_in_file_order_and_counted(tmp_path):
@@ -331,7 +332,7 @@ def test_set_values_are_typed_by_the_schema(tmp_path):
 def test_set_null_removes_a_section(tmp_path):
     recipe = load_recipe(write(tmp_path, BASE), ["policy.lora=null"])
     assert recipe.policy.lora is None
-    assert recipe.value_kind == "head"
+    assert value_kind(recipe) == "head"
 
 
 def test_set_a_string_field_keeps_the_text(tmp_path):

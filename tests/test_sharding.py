@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from ppo_cli.checkpoint import keyed_by_parameter_name, part_of, without_tied_copies
+from ppo_cli.checkpoint import keyed_by_parameter_name, without_tied_copies
+from ppo_cli.engine.weights import part_of
 from ppo_cli.distributed import check_fsdp_version, without_frozen_models
 from ppo_cli.errors import UsageError
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_cli.engine.critics import ValueSettings, value_model_path, value_settings
+from ppo_cli.auto import ValueSettings, value_kind, value_model_path, value_settings
 from ppo_cli.memory import settings_from_recipe
 from ppo_cli.recipe_loading import load_recipe
 
@@ -60,7 +60,7 @@ def test_auto_is_the_frozen_reward_model_critic_with_a_reward_model_of_the_polic
                                               "model": {**TOKENIZER["model"], "merges": ["a b"], "end_of_word_suffix": ""}})
     r = recipe(tmp_path, scalar_reward(rm), lora=lora)
     assert value_settings(r) == ValueSettings("model", "reward", False, str(rm), "float32")
-    assert r.value_kind == "model" and value_model_path(r) == str(rm)
+    assert value_kind(r) == "model" and value_model_path(r) == str(rm)
     s = settings_from_recipe(r, "cpu", prompt_len=16)
     assert (s.value_kind, s.value_frozen, s.value_shared) == ("model", True, True)  # `ppo plan`: no second copy
 
@@ -77,31 +77,31 @@ def test_auto_is_the_value_head_without_a_reward_model(tmp_path, lora):
     {**TOKENIZER, "added_tokens": [{"id": 3, "content": "</s>", "special": True}]},
 ], ids=["vocab", "merges", "added tokens"])
 def test_auto_is_the_value_head_when_the_reward_model_reads_another_tokenizer(tmp_path, other):
-    assert recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=other))).value_kind == "head"
+    assert value_kind(recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=other)))) == "head"
 
 
 def test_auto_is_the_value_head_when_the_reward_model_is_another_architecture(tmp_path):
     rm = model_dir(tmp_path, "rm", model_type="bert", tokenizer=TOKENIZER)  # e.g. a bidirectional encoder
-    assert recipe(tmp_path, scalar_reward(rm)).value_kind == "head"
+    assert value_kind(recipe(tmp_path, scalar_reward(rm))) == "head"
 
 
 def test_auto_is_the_value_head_when_the_reward_model_has_no_tokenizer_file(tmp_path):
-    assert recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=None))).value_kind == "head"
+    assert value_kind(recipe(tmp_path, scalar_reward(model_dir(tmp_path, "rm", tokenizer=None)))) == "head"
 
 
 def test_auto_is_the_value_head_when_the_reward_model_is_not_on_this_machine(tmp_path):
-    assert recipe(tmp_path, scalar_reward(tmp_path / "missing")).value_kind == "head"
+    assert value_kind(recipe(tmp_path, scalar_reward(tmp_path / "missing"))) == "head"
 
 
 def test_auto_is_the_value_head_with_a_quantized_reward_model(tmp_path):
     rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
-    assert recipe(tmp_path, scalar_reward(rm, "4bit")).value_kind == "head"  # its weights could not be shared
+    assert value_kind(recipe(tmp_path, scalar_reward(rm, "4bit"))) == "head"  # its weights could not be shared
 
 
 def test_auto_with_a_classifier_reward_is_the_value_head(tmp_path):
     rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
     reward = f"    - type: classifier\n      path: {rm}\n      labels: {{positive: 1.0}}"
-    assert recipe(tmp_path, reward).value_kind == "head"  # no scalar score head to start from
+    assert value_kind(recipe(tmp_path, reward)) == "head"  # no scalar score head to start from
 
 
 def test_auto_follows_what_the_recipe_names(tmp_path):
@@ -117,4 +117,30 @@ def test_auto_follows_what_the_recipe_names(tmp_path):
 def test_a_concrete_kind_is_kept(tmp_path):
     rm = model_dir(tmp_path, "rm", tokenizer=TOKENIZER)
     for kind in ("adapter", "head", "model"):
-        assert recipe(tmp_path, scalar_reward(rm), overrides=(f"value.kind={kind}",)).value_kind == kind
+        assert value_kind(recipe(tmp_path, scalar_reward(rm), overrides=(f"value.kind={kind}",))) == kind
+
+
+def test_separate_value_model_on_the_policys_tokenizer_passes_the_check_before_loading(tmp_path):
+    from ppo_cli.engine.actor_critic import check_value_model_tokenizer
+
+    value = model_dir(tmp_path, "value", tokenizer=TOKENIZER)
+    check_value_model_tokenizer(recipe(tmp_path, overrides=("value.kind=model", f"value.path={value}")))
+
+
+def test_separate_value_model_without_tokenizer_files_is_refused_before_loading(tmp_path):
+    from ppo_cli.engine.actor_critic import check_value_model_tokenizer
+    from ppo_cli.errors import ModelReferenceError
+
+    value = model_dir(tmp_path, "value", tokenizer=None)
+    with pytest.raises(ModelReferenceError) as err:
+        check_value_model_tokenizer(recipe(tmp_path, overrides=("value.kind=model", f"value.path={value}")))
+    assert err.value.message == (f"value model '{value}' has no tokenizer files to compare with the policy's, "
+                                 "but reads the policy's token ids")
+
+
+def test_value_lora_with_auto_and_no_lora_policy_is_refused_without_reading_the_models(tmp_path):
+    from ppo_cli.errors import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        recipe(tmp_path, lora=False, overrides=("value.lora={r: 8}",))
+    assert err.value.message == "--set value.lora: only used with value kind 'adapter', but the value kind is 'auto'"

@@ -52,13 +52,23 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
     report.note(f"recipe: {recipe_path}")
     for model in models:
         report.note(f"model: {model.describe()}")
-    if models and loaded.generation.backend == "vllm":  # before the reward model or any policy loads
-        from ppo_cli.engine.vllm_sampler import check_can_sample, check_vllm_installed
-
-        check_vllm_installed()
-        for model in models:
-            check_can_sample(model)
+    if models:  # before the reward model or any policy loads
+        check_vllm_backend(loaded, models=models)
     return loaded, models
+
+
+def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
+    """generation.backend vllm, refused in one line before anything loads: more than one process
+    (``world_size``: --num-processes, or WORLD_SIZE as the launcher sets it), vllm not installed, or a
+    model (``models``: ResolvedModel) it would not sample as transformers does. Every command's check."""
+    if recipe.generation.backend != "vllm":
+        return
+    from ppo_cli.engine.vllm_sampler import check_can_sample, check_one_process, check_vllm_installed
+
+    check_one_process(world_size)
+    check_vllm_installed()
+    for model in models:
+        check_can_sample(model)
 
 
 def command_prompts(path, field, recipe) -> tuple[list[str], str]:

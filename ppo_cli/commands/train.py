@@ -57,11 +57,9 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
 
-    if recipe.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import check_one_process, check_vllm_installed
+    from ppo_cli.commands.inputs import check_vllm_backend
 
-        check_one_process(int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
-        check_vllm_installed()
+    check_vllm_backend(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
     check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppo_cli.auto import value_kind
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import dump_resolved
 
@@ -85,5 +86,5 @@ def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:
         run_dir=recipe.run_dir,
         num_mini_batches=recipe.ppo.num_mini_batches,
         grad_accum_steps=recipe.ppo.grad_accum_steps,
-        value_kind=recipe.value_kind,
+        value_kind=value_kind(recipe),
     )

@@ -12,8 +12,9 @@ from), which parameters it trains, its default learning rate, the features its h
 counts for it (``memory``: pure arithmetic on the plan's Settings and model shapes). The head itself
 (a float32 ``nn.Linear(H, 1)``) is common to every kind and saved by the checkpoint code.
 
-Adding a kind: a class here, listed in CRITICS; ``value.kind`` in the recipe takes its names from
-CRITIC_KINDS. Importing this module does not import torch (the recipe schema reads CRITIC_KINDS).
+Adding a kind: a class here, listed in CRITICS, and its name and description in the schema's
+CRITIC_KINDS (recipe.py; a test checks the two agree). Which kind 'auto' stands for is ppo_cli/auto.py.
+Importing this module does not import torch (``ppo plan`` reads each kind's memory).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
+from ppo_cli.auto import value_model_path, value_settings
+from ppo_cli.plan_units import DTYPE_BYTES, GB, Line, activation_floats_per_token_layer, weights_how
+
 if TYPE_CHECKING:
     import torch
 
-    from ppo_cli.engine.models import ActorCritic
     from ppo_cli.recipe import Recipe
 
 VALUE_ADAPTER = "value"
@@ -44,7 +47,6 @@ class Critic:
     """The common part: a kind's name, and what a kind without a network of its own does."""
 
     kind: ClassVar[str]
-    description: ClassVar[str]
     reads_policy_hidden: ClassVar[bool] = False  # values come with the policy's own forward
 
     @classmethod
@@ -52,29 +54,29 @@ class Critic:
         """(the network the head reads or None, its hidden size, a reward model to start the head from or None)."""
         raise NotImplementedError
 
-    def trained_parameters(self, ac: ActorCritic) -> list:
+    def trained_parameters(self, ac) -> list:
         """The parameters the value loss trains besides the head."""
         return []
 
-    def default_lr(self, ac: ActorCritic, policy_lr: float) -> float:
+    def default_lr(self, ac, policy_lr: float) -> float:
         """A critic that trains a backbone learns at the policy's rate."""
         return policy_lr
 
-    def features_fixed(self, ac: ActorCritic) -> bool:
+    def features_fixed(self, ac) -> bool:
         """Are the features for a rollout the same at every update (a frozen network)? Then the update
         reuses the rollout's instead of running the critic again."""
         return False
 
-    def features(self, ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
+    def features(self, ac, sequences, attention_mask, response_len: int) -> torch.Tensor:
         """What the head reads (B, T, H) at the response positions, from the critic's own network (a
         critic that reads_policy_hidden has none: its features come with the policy's forward)."""
         raise NotImplementedError
 
-    def save(self, ac: ActorCritic, critic_dir: Path, full_state: dict | None = None) -> None:
+    def save(self, ac, critic_dir: Path, full_state: dict | None = None) -> None:
         """Write the critic's network (not the head) into ``critic_dir``; ``full_state``: the
         ActorCritic's state dict gathered from sharded processes (FSDP), None to read the modules."""
 
-    def load(self, ac: ActorCritic, critic_dir: Path) -> None:
+    def load(self, ac, critic_dir: Path) -> None:
         """Inverse of save, into the already-built network."""
 
     @staticmethod
@@ -85,7 +87,6 @@ class Critic:
 
 class HeadCritic(Critic):
     kind = "head"
-    description = "a scalar head on the policy's own hidden states: one forward gives logits and values"
     reads_policy_hidden = True
 
     @classmethod
@@ -105,8 +106,6 @@ class HeadCritic(Critic):
 
     @staticmethod
     def memory(s, policy, value, lora):
-        from ppo_cli.memory import GB, Line
-
         head = policy.hidden + 1
         line = Line("value", "head", head * 4 / GB, f"scalar head on the policy's hidden states ({head} params)")
         return CriticMemory([line], [], head, 4.0)
@@ -114,7 +113,6 @@ class HeadCritic(Critic):
 
 class AdapterCritic(Critic):
     kind = "adapter"
-    description = "a second LoRA adapter on the policy's base + a scalar head (needs policy.lora)"
 
     @classmethod
     def build(cls, recipe, policy, device, loaded, common):
@@ -140,8 +138,8 @@ class AdapterCritic(Critic):
         return response_slice(hidden, response_len)
 
     def save(self, ac, critic_dir, full_state=None):
-        from ppo_cli.checkpoint import part_of
         from ppo_cli.engine.models import save_adapter
+        from ppo_cli.engine.weights import part_of
 
         save_adapter(ac.policy, VALUE_ADAPTER, critic_dir / "value_adapter", state_dict=part_of(full_state, "policy."))
 
@@ -154,8 +152,6 @@ class AdapterCritic(Critic):
 
     @staticmethod
     def memory(s, policy, value, lora):
-        from ppo_cli.memory import DTYPE_BYTES, GB, Line, activation_floats_per_token_layer
-
         n = policy.lora_params(s.value_lora or lora) + policy.hidden + 1
         static = [Line("value", "LoRA adapter + head", n * 4 / GB,
                        f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B")]
@@ -170,7 +166,6 @@ class AdapterCritic(Critic):
 
 class ModelCritic(Critic):
     kind = "model"
-    description = "a separate model + a scalar head, from the policy, the reward model (init_from) or value.path"
 
     @classmethod
     def build(cls, recipe, policy, device, loaded, common):
@@ -211,20 +206,18 @@ class ModelCritic(Critic):
         return response_slice(backbone_hidden(ac.value_backbone, sequences, attention_mask), response_len)
 
     def save(self, ac, critic_dir, full_state=None):
-        from ppo_cli.checkpoint import part_of
+        from ppo_cli.engine.weights import part_of
 
         ac.value_backbone.save_pretrained(critic_dir / "value_model", safe_serialization=True,
                                           state_dict=part_of(full_state, "value_backbone."))
 
     def load(self, ac, critic_dir):
-        from ppo_cli.checkpoint import load_safetensors_into
+        from ppo_cli.engine.weights import load_safetensors_into
 
         load_safetensors_into(ac.value_backbone, sorted((critic_dir / "value_model").glob("*.safetensors")))
 
     @staticmethod
     def memory(s, policy, value, lora):
-        from ppo_cli.memory import DTYPE_BYTES, GB, Line, activation_floats_per_token_layer, weights_how
-
         head = value.hidden + 1 if value is not None else policy.hidden + 1
         if s.value_shared:
             static = [Line("value", "weights", 0.0, "the reward model's, shared (frozen)")]
@@ -242,122 +235,3 @@ class ModelCritic(Critic):
 
 
 CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, HeadCritic, ModelCritic)}
-CRITIC_KINDS = tuple(CRITICS)
-
-
-class ValueSettings(NamedTuple):
-    """``value.*`` as the run uses it: 'auto' made concrete (value_settings)."""
-
-    kind: str
-    init_from: str
-    train_backbone: bool | None
-    path: str | None
-    dtype: str | None
-
-
-def value_settings(recipe: Recipe) -> ValueSettings:
-    """The critic 'auto' stands for, chosen by wall-clock to a target reward (docs/benchmarks.md,
-    "Choosing the default critic"): the frozen reward-model critic (kind model on the reward model,
-    init_from reward, train_backbone false: it starts as the reward model and trains only its head)
-    when a scalar reward model can serve as one (``frozen_critic_reward``); otherwise the value head,
-    with LoRA and without. A separate model when the recipe names one (value.path, init_from reward),
-    the adapter when it gives the adapter's settings (value.lora). A concrete kind is kept as written."""
-    v = recipe.value
-    as_written = ValueSettings(v.kind, v.init_from, v.train_backbone, v.path, v.dtype)
-    if v.kind != "auto":
-        return as_written
-    if v.path is not None or v.init_from == "reward":
-        return as_written._replace(kind="model")
-    if v.lora is not None and recipe.policy.lora is not None:
-        return as_written._replace(kind="adapter")
-    if v.train_backbone is not True and (reward := frozen_critic_reward(recipe)) is not None:
-        return ValueSettings("model", "reward", False, reward.path, v.dtype or reward.dtype)
-    return as_written._replace(kind="head")
-
-
-def resolve_kind(recipe: Recipe) -> str:
-    """``value.kind`` with 'auto' resolved (value_settings)."""
-    return value_settings(recipe).kind
-
-
-def frozen_critic_reward(recipe: Recipe):
-    """The first ``type: model`` reward component (a scalar reward model, so the value head starts as
-    its score head) that can be a frozen critic: unquantized (its weights are shared), of the policy's
-    architecture (config.json model_type: a causal decoder like the policy, whose hidden state at a
-    position sees only the tokens before it) and on the policy's tokenizer (it reads the policy's
-    token ids). Read from the models' files, without loading them; None when no component qualifies or
-    a file cannot be read (then 'auto' does not guess)."""
-    policy = recipe.policy
-    for component in recipe.reward.components:
-        if component.type != "model" or component.quantization != "none":
-            continue
-        policy_type = _config_model_type(policy.path, policy.revision)
-        if policy_type is not None and _config_model_type(component.path) == policy_type \
-                and _same_tokenizer(policy.path, policy.revision, component.path):
-            return component
-    return None
-
-
-def _model_file(ref: str, name: str, revision: str | None = None) -> Path | None:
-    """A model's file from a local directory or the hub cache (never the network)."""
-    directory = Path(ref).expanduser()
-    if directory.is_dir():
-        return directory / name if (directory / name).is_file() else None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(ref, name, revision=revision)
-    except Exception:  # not a repo id either: nothing to read
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
-def _config_model_type(ref: str, revision: str | None = None) -> str | None:
-    import json
-
-    path = _model_file(ref, "config.json", revision)
-    try:
-        return json.loads(path.read_text()).get("model_type") if path else None
-    except (OSError, ValueError):
-        return None
-
-
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
-
-
-def _vocabulary(tokenizer_json: dict) -> tuple:
-    """What a tokenizer.json maps text to ids with: its vocabulary, merges and added tokens (not its
-    padding or truncation settings, nor fields that versions of `tokenizers` write differently, such
-    as a merge as "a b" or ["a", "b"], or an unset prefix as null or "")."""
-    model = tokenizer_json.get("model") or {}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    added = sorted((t.get("id"), t.get("content")) for t in tokenizer_json.get("added_tokens") or [])
-    return model.get("type"), model.get("vocab"), merges, added
-
-
-def _same_tokenizer(ref_a: str, revision_a: str | None, ref_b: str) -> bool:
-    """Do two models tokenize alike? tokenizer.json's vocabulary (``_vocabulary``), else the
-    vocabulary files byte for byte; False when neither can be compared."""
-    import json
-
-    a, b = _model_file(ref_a, "tokenizer.json", revision_a), _model_file(ref_b, "tokenizer.json")
-    if a and b:
-        try:
-            return _vocabulary(json.loads(a.read_text())) == _vocabulary(json.loads(b.read_text()))
-        except (OSError, ValueError):
-            return False
-    pairs = [(_model_file(ref_a, n, revision_a), _model_file(ref_b, n)) for n in TOKENIZER_FILES]
-    pairs = [(x, y) for x, y in pairs if x or y]
-    return bool(pairs) and all(x and y and x.read_bytes() == y.read_bytes() for x, y in pairs)
-
-
-def value_model_path(recipe: Recipe) -> str:
-    """The separate value model's checkpoint (kind model): value.path, the reward model, or the policy."""
-    settings = value_settings(recipe)
-    if settings.path is not None:
-        return settings.path
-    if settings.init_from == "policy":
-        return recipe.policy.path
-    from ppo_cli.engine.rewards import first_reward_model_path
-
-    return first_reward_model_path(recipe)

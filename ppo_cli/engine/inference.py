@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from ppo_cli.engine.actor_critic import ActorCritic
 from ppo_cli.engine.generate import resolve_stop_token_id
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
-    ActorCritic,
     disable_dropout,
     freeze,
     load_causal_lm,

@@ -1,4 +1,5 @@
-"""Forward passes that give per-token log-probs and values for the response part of sequences.
+"""A model's forward at the response positions: its logits (for per-token log-probs) or its hidden states
+(what a value head reads; the ActorCritic's forwards that add values are engine/actor_critic.py).
 
 Shapes: B sequences, L = P + T tokens (left-padded prompt of P, right-padded response of T), H hidden,
 V vocabulary. Position t of the response is predicted by position P - 1 + t, so the outputs are
@@ -19,8 +20,7 @@ import inspect
 import torch
 from torch import nn
 
-from ppo_cli.engine.models import POLICY_ADAPTER, ActorCritic, unwrap_causal_lm
-from ppo_cli.engine.precision import full_precision
+from ppo_cli.engine.models import unwrap_causal_lm
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -90,70 +90,3 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows:
         picked = rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(rows, dim=-1))
     return torch.cat(out)
-
-
-def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch.Tensor:
-    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32,
-    also inside a mixed-precision forward (bf16 would round values of +-10 by ~0.04)."""
-    head = actor_critic.value_head
-    with full_precision(hidden.device):
-        return head(hidden.to(head.weight.dtype)).squeeze(-1)
-
-
-def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
-    """(logits (B, T, V), values (B, T) or None): values come free when the critic reads the policy's states."""
-    ac.use_adapter(POLICY_ADAPTER)
-    with_head = ac.value_reads_policy_hidden
-    logits, hidden = causal_lm_forward(ac.policy, sequences, attention_mask, response_len, temperature, keep_hidden=with_head)
-    values = None
-    if with_head:
-        # Detached by default: the value loss would otherwise dominate the shared weights' gradient
-        # (returns of +-10 against a policy loss near 0.1), and Adam would follow the critic's needs.
-        values = values_from_hidden(ac, hidden if ac.head_trains_backbone else hidden.detach())
-    return logits, values
-
-
-def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
-    """Values (B, T) from the critic."""
-    if ac.critic.reads_policy_hidden:
-        return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
-    return values_from_hidden(ac, ac.critic.features(ac, sequences, attention_mask, response_len))
-
-
-def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float) -> torch.Tensor:
-    """log pi_ref of the response tokens (B, T): the base with LoRA disabled, or the frozen copy."""
-    model = ac.ref_model if ac.ref_model is not None else ac.policy
-    with ac.reference_context():
-        logits, _ = causal_lm_forward(model, sequences, attention_mask, response_ids.shape[1], temperature)
-    return selective_log_softmax(logits, response_ids)
-
-
-class PolicyAndValue(nn.Module):
-    """The update's forward as one module call, (logits (B, T, V), values (B, T)).
-
-    One call per backward, so a DDP or DeepSpeed wrapper from ``accelerator.prepare`` sees every
-    trainable parameter used and synchronises the gradients (TRL's PolicyAndValueWrapper).
-    """
-
-    def __init__(self, actor_critic: ActorCritic):
-        super().__init__()
-        self.actor_critic = actor_critic
-
-    @property
-    def _no_split_modules(self) -> list[str]:
-        """The transformer block classes of the models inside: FSDP's auto-wrap shards each block as one
-        unit (accelerate reads this attribute of the module it prepares, as of a transformers model)."""
-        models = [m for m in (self.actor_critic.policy, self.actor_critic.value_backbone) if m is not None]
-        names = [name for m in models for name in getattr(unwrap_causal_lm(m), "_no_split_modules", None) or []]
-        return list(dict.fromkeys(names))
-
-    def forward(self, sequences, attention_mask, response_len: int, temperature: float,
-                fixed_value_features: torch.Tensor | None = None):
-        """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run)."""
-        ac = self.actor_critic
-        logits, values = policy_forward(ac, sequences, attention_mask, response_len, temperature)
-        if values is None and fixed_value_features is not None:
-            values = values_from_hidden(ac, fixed_value_features)
-        elif values is None:
-            values = value_forward(ac, sequences, attention_mask, response_len)
-        return logits, values

@@ -8,7 +8,6 @@ model. Frozen models can be 4-bit/8-bit through bitsandbytes.
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -16,10 +15,10 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from ppo_cli.engine.critics import CRITICS, Critic, value_model_path
-from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
+from ppo_cli.auto import weights_dtype
+from ppo_cli.errors import ModelLoadError, first_line
 from ppo_cli.model_refs import check_adapter_reference, check_model_reference, hub_offline
-from ppo_cli.recipe import LoraConfig, Recipe
+from ppo_cli.recipe import LoraConfig
 
 POLICY_ADAPTER = "policy"
 
@@ -35,10 +34,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name in (None, "auto"):
-        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16_ok else torch.float32
-    return _DTYPES[name]
+    """A dtype setting as a torch dtype on ``device`` (auto.weights_dtype: the rule, with this GPU's bf16 support)."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return _DTYPES[weights_dtype(name, device.type, cuda_bf16)]
 
 
 def _quantization_config(quantization: str, compute_dtype: torch.dtype):
@@ -246,139 +244,3 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 def hidden_size_of(model: nn.Module) -> int:
     config = unwrap_causal_lm(model).config
     return getattr(config, "hidden_size", None) or config.get_text_config().hidden_size
-
-
-class ActorCritic(nn.Module):
-    """Policy, value and reference behind one interface, whatever the memory layout.
-
-    ``critic``: the value model's kind (engine/critics.py), which knows its network and parameters;
-    ``value_head`` (float32 ``Linear(H, 1)``) and ``value_backbone`` (kind model's network) are
-    registered here so that one module holds every trained parameter.
-    """
-
-    def __init__(self, policy: nn.Module, critic: Critic | None, value_head: nn.Linear | None,
-                 value_backbone: nn.Module | None = None, ref_model: nn.Module | None = None,
-                 head_trains_backbone: bool = False):
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-        self.head_trains_backbone = head_trains_backbone
-        self.value_head = value_head
-        self.value_backbone = value_backbone
-        self.ref_model = ref_model
-        self.reference_is_policy = False  # inference on the reference itself: the KL is 0 by definition
-        self.is_peft = hasattr(policy, "disable_adapter")
-        self._trainable = [p for p in self.parameters() if p.requires_grad]
-        self._trainable_names = {name for name, p in self.named_parameters() if p.requires_grad}
-
-    @property
-    def value_kind(self) -> str:
-        return self.critic.kind if self.critic is not None else "none"
-
-    # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
-    # ours must keep their gradients (one backward covers both), so restore them after switching.
-    # By name: under FSDP the registered parameter objects change (sharded or gathered ones).
-    def use_adapter(self, name: str) -> None:
-        if self.is_peft and self.policy.active_adapter != name:
-            self.policy.set_adapter(name)
-            for param_name, param in self.named_parameters():
-                if param_name in self._trainable_names:
-                    param.requires_grad_(True)
-
-    @contextlib.contextmanager
-    def reference_context(self):
-        """Inside it, ``self.policy`` computes the reference (LoRA disabled) when there is no separate copy."""
-        if self.ref_model is None and self.is_peft:
-            with self.policy.disable_adapter():
-                yield
-        else:
-            yield
-
-    def default_value_lr(self, policy_lr: float) -> float:
-        return self.critic.default_lr(self, policy_lr)
-
-    @property
-    def value_features_fixed(self) -> bool:
-        return self.critic is not None and self.critic.features_fixed(self)
-
-    @property
-    def value_reads_policy_hidden(self) -> bool:
-        return self.critic is not None and self.critic.reads_policy_hidden
-
-    def policy_parameters(self) -> list[nn.Parameter]:
-        value_ids = {id(p) for p in self.value_parameters()}
-        return [p for p in self._trainable if id(p) not in value_ids]
-
-    def value_parameters(self) -> list[nn.Parameter]:
-        if self.critic is None:
-            return []
-        return list(self.value_head.parameters()) + self.critic.trained_parameters(self)
-
-
-def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | None = None) -> nn.Linear:
-    head = nn.Linear(hidden_size, 1, bias=True)
-    nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
-    nn.init.zeros_(head.bias)
-    score = getattr(init_from, "score", None) if init_from is not None else None
-    if isinstance(score, nn.Linear) and score.out_features == 1:  # a scalar reward model's head (InstructGPT)
-        with torch.no_grad():
-            head.weight.copy_(score.weight.float())
-            if score.bias is not None:
-                head.bias.copy_(score.bias.float())
-    return head.to(device=device, dtype=torch.float32)
-
-
-def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, nn.Module] | None = None) -> ActorCritic:
-    """Load the policy (+LoRA), the reference and the value model as the recipe describes.
-
-    ``loaded``: sequence-classification models already in memory (the reward's), by path. A frozen
-    value model on one of them (value.train_backbone: false) shares its weights instead of a copy.
-    """
-    pol = recipe.policy
-    dtype = resolve_dtype(pol.dtype, device)
-    common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision,
-                  attn_implementation=pol.attn_implementation)
-    policy = load_causal_lm(pol.path, pol.adapter, dtype=dtype, quantization=pol.quantization, **common)
-    if pol.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if pol.lora is not None:
-        from peft import get_peft_model, prepare_model_for_kbit_training
-
-        if pol.quantization != "none":
-            policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
-        policy = get_peft_model(policy, peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
-        # What adapter_config.json names as the base: the path or hub id as the recipe gave it, never
-        # a path resolved on this machine (nor a temporary directory the merged model came from).
-        policy.peft_config[POLICY_ADAPTER].base_model_name_or_path = pol.path
-    # Train mode everywhere on the policy (dropout is already off): bitsandbytes repacks 4-bit weights
-    # after a no-grad forward in eval mode and then breaks the backward.
-    policy.train()
-
-    ref_model = None
-    if pol.lora is None or recipe.reference.path is not None:
-        ref = recipe.reference
-        ref_model = load_causal_lm(
-            ref.path or pol.path, None if ref.path else pol.adapter, dtype=resolve_dtype(ref.dtype or pol.dtype, device),
-            quantization=ref.quantization, **common,
-        )
-        freeze(ref_model)
-
-    critic = CRITICS[recipe.value_kind]()
-    value_backbone, hidden, init_from = critic.build(recipe, policy, device, loaded or {}, common)
-    torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
-    model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
-                        head_trains_backbone=bool(recipe.value.train_backbone))
-    model.use_adapter(POLICY_ADAPTER)
-    return model
-
-
-def check_value_model_tokenizer(recipe: Recipe, policy_tokenizer) -> None:
-    """A separate value model reads the policy's token ids, so it must share the policy's vocabulary
-    (a reward classifier on another tokenizer would read garbage, or index past its embeddings)."""
-    if recipe.value_kind != "model" or (path := value_model_path(recipe)) == recipe.policy.path:
-        return
-    if load_tokenizer(path, trust_remote_code=recipe.policy.trust_remote_code).get_vocab() != policy_tokenizer.get_vocab():
-        raise ModelReferenceError(
-            f"value model '{path}' has a different tokenizer from the policy's, but reads the policy's token ids",
-            hint="use value.kind: adapter or head, or a value model (value.path) built on the policy's tokenizer",
-        )

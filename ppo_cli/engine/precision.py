@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ppo_cli.engine.models import resolve_dtype
 from ppo_cli.engine.precision_probe import ProbeResult, cached_probe
 from ppo_cli.errors import UsageError
 
@@ -130,8 +131,6 @@ def probe_widths(recipe, device: torch.device) -> tuple[int, int] | None:
 
 def recipe_precision(recipe, device: torch.device, launcher: str | None = None) -> PrecisionChoice:
     """train.mixed_precision of ``recipe`` resolved for ``device`` (probed at the policy's widths on CPU)."""
-    from ppo_cli.engine.models import resolve_dtype
-
     weights_dtype = resolve_dtype(recipe.policy.dtype, device)
     return resolve_mixed_precision(recipe.train.mixed_precision, device, weights_dtype, launcher,
                                    probe_widths(recipe, device))

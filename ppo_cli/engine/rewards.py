@@ -19,7 +19,7 @@ import torch
 
 from ppo_cli.engine.chat import check_chat_template, conversation_text
 from ppo_cli.engine.data import is_conversation
-from ppo_cli.errors import DataError, ModelReferenceError, RecipeError, RewardFunctionError, RewardFunctionFailed
+from ppo_cli.errors import DataError, RecipeError, RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
 
 
@@ -190,17 +190,6 @@ def check_has_trained_score_head(config, path: str) -> None:
 
 # A reward component's ``type`` -> the class that scores with it, built as cls(component, device, system_prompt).
 SCORERS = {"model": ModelScorer, "classifier": ModelScorer, "function": FunctionScorer}
-
-
-def first_reward_model_path(recipe) -> str:
-    """The first reward component that is a model (a separate critic can start from it)."""
-    for component in recipe.reward.components:
-        if component.loads_model:
-            return component.path
-    raise ModelReferenceError(
-        "value.init_from is 'reward' but the reward has no model component",
-        hint="set value.init_from: policy, or value.path",
-    )
 
 
 def _component_name(component, index: int, taken: set[str]) -> str:

@@ -15,18 +15,18 @@ import torch
 
 from ppo_cli.engine.chat import tokenize_prompts
 from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
-from ppo_cli.engine.logprobs import (
-    policy_forward,
-    reference_logprobs,
-    selective_log_softmax,
-    value_forward,
-    values_from_hidden,
-)
-from ppo_cli.engine.models import (
-    POLICY_ADAPTER,
+from ppo_cli.engine.actor_critic import (
     ActorCritic,
     build_actor_critic,
     check_value_model_tokenizer,
+    policy_forward,
+    reference_logprobs,
+    value_forward,
+    values_from_hidden,
+)
+from ppo_cli.engine.logprobs import selective_log_softmax
+from ppo_cli.engine.models import (
+    POLICY_ADAPTER,
     is_quantized,
     load_tokenizer,
     resolve_device,
@@ -293,7 +293,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     pol = recipe.policy
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
-    check_value_model_tokenizer(recipe, tokenizer)
+    check_value_model_tokenizer(recipe)
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     actor_critic = build_actor_critic(recipe, device, reward_models)

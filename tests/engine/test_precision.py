@@ -119,7 +119,7 @@ def test_autocast_context_runs_linear_layers_in_bf16_and_no_leaves_float32():
 def test_value_head_stays_float32_inside_autocast():
     from types import SimpleNamespace
 
-    from ppo_cli.engine.logprobs import values_from_hidden
+    from ppo_cli.engine.actor_critic import values_from_hidden
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 1)
