@@ -148,3 +148,8 @@ def chat_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def is_wall_clock(key: str) -> bool:
+    """Metrics that measure time (and so differ between two runs of the same numbers)."""
+    return key.startswith(("time/", "perf/")) or key == "tokens_per_s"
