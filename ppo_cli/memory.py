@@ -1,6 +1,6 @@
 """Memory arithmetic: how much a recipe needs, role by role, before any weights are loaded (`ppo plan`).
 
-Only the model configs are read; each model is instantiated on the meta device (no memory, no
+Only the model configs are read (a GGUF file's from its metadata: it loads dequantized); each model is instantiated on the meta device (no memory, no
 compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
 LoRA adapts) and which do not. The rest is arithmetic on the recipe:
 
@@ -113,13 +113,18 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ppo_cli.errors import ModelLoadError, first_line
-    from ppo_cli.model_refs import check_model_reference
+    from ppo_cli.model_refs import check_model_reference, gguf_location, is_gguf
 
     check_model_reference(path)
+    location, extra = path, dict(revision=revision)
+    if is_gguf(path):  # the config comes from the file's metadata; the model loads dequantized (full size)
+        location, name = gguf_location(path)
+        extra = dict(gguf_file=name)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
+    vars(config).pop("quantization_config", None)
     auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
