@@ -1,7 +1,7 @@
 """Memory arithmetic: how much a recipe needs, role by role, before any weights are loaded (`ppo plan`).
 
-Only the model configs are read (a GGUF file's from its metadata: it loads dequantized); each model is instantiated on the meta device (no memory, no
-compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
+Only the model configs are read (a GGUF file's from its metadata: it loads dequantized, full size);
+each model is instantiated on the meta device (no memory, no compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
 LoRA adapts) and which do not. The rest is arithmetic on the recipe:
 
     weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
@@ -124,7 +124,8 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
         config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
-    vars(config).pop("quantization_config", None)
+    if is_gguf(path):
+        vars(config).pop("quantization_config", None)
     auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
