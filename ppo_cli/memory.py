@@ -2,7 +2,8 @@
 
 Only the model configs are read (a GGUF file's from its metadata: it loads dequantized, full size);
 each model is instantiated on the meta device (no memory, no compute) to count its parameters
-exactly: which sit in linear layers (what bitsandbytes quantizes and LoRA adapts) and which do not. The rest is arithmetic on the recipe:
+exactly: which sit in linear layers (what bitsandbytes quantizes and LoRA adapts) and which do not.
+The rest is arithmetic on the recipe:
 
     weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
     LoRA         r x (in + out) per adapted linear layer, float32
