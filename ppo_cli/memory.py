@@ -1,8 +1,9 @@
 """Memory arithmetic: how much a recipe needs, role by role, before any weights are loaded (`ppo plan`).
 
-Only the model configs are read; each model is instantiated on the meta device (no memory, no
-compute) to count its parameters exactly: which sit in linear layers (what bitsandbytes quantizes and
-LoRA adapts) and which do not. The rest is arithmetic on the recipe:
+Only the model configs are read (a GGUF file's from its metadata: it loads dequantized, full size);
+each model is instantiated on the meta device (no memory, no compute) to count its parameters
+exactly: which sit in linear layers (what bitsandbytes quantizes and LoRA adapts) and which do not.
+The rest is arithmetic on the recipe:
 
     weights      parameters x bytes (float32 4, bfloat16/float16 2, 8-bit ~1, 4-bit nf4 ~0.52)
     LoRA         r x (in + out) per adapted linear layer, float32
@@ -111,13 +112,19 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ppo_cli.errors import ModelLoadError, first_line
-    from ppo_cli.model_refs import check_model_reference
+    from ppo_cli.model_refs import check_model_reference, gguf_location, is_gguf
 
     check_model_reference(path)
+    location, extra = path, dict(revision=revision)
+    if is_gguf(path):  # the config comes from the file's metadata; the model loads dequantized (full size)
+        location, name = gguf_location(path)
+        extra = dict(gguf_file=name)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
+    if is_gguf(path):
+        vars(config).pop("quantization_config", None)
     auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)

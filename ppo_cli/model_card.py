@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ppo_cli.model_refs import HUB_ID
+from ppo_cli.model_refs import HUB_ID, gguf_location, is_gguf
 
 TAGS = ["ppo_cli", "ppo", "rlhf", "reinforcement-learning"]
 
@@ -31,6 +31,8 @@ def hub_base_model(policy_path: str) -> str | None:
     named by the hub id its config.json records (transformers 4 saved it as ``_name_or_path``), when
     that is a hub id and not itself a path.
     """
+    if is_gguf(policy_path):
+        return None  # a GGUF file names no hub repository reliably
     local = Path(policy_path).expanduser()
     if not local.exists():
         return policy_path
@@ -64,13 +66,21 @@ def _results_table(before: dict | None, after: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _from_pretrained_args(path: str) -> str:
+    """A GGUF file loads as ``from_pretrained(directory, gguf_file=name)`` (transformers dequantizes it)."""
+    if not is_gguf(path):
+        return repr(path)
+    directory, name = gguf_location(path)
+    return f"{directory!r}, gguf_file={name!r}"
+
+
 def _usage(policy_path: str, policy_adapter: str | None, is_adapter: bool) -> str:
     code = ["from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if is_adapter or policy_adapter:
         code.append("from peft import PeftModel")
     code.append("")
     if is_adapter:
-        code.append(f"model = AutoModelForCausalLM.from_pretrained({policy_path!r})")
+        code.append(f"model = AutoModelForCausalLM.from_pretrained({_from_pretrained_args(policy_path)})")
         if policy_adapter:
             code.append(f"model = PeftModel.from_pretrained(model, {policy_adapter!r}).merge_and_unload()  # the starting adapter")
         code.append('model = PeftModel.from_pretrained(model, "PATH/TO/final")')
@@ -85,7 +95,8 @@ def render_model_card(info: dict, recipe_yaml: str, before: dict | None = None, 
     lora, step, value_kind); ``before``/``after`` are summary.json's held-out numbers."""
     policy_path, policy_adapter, is_adapter = info["policy_path"], info.get("policy_adapter"), bool(info.get("lora"))
     what = "A LoRA adapter (peft)" if is_adapter else "A full fine-tune"
-    start = f"`{policy_path}`" + (f" with the adapter `{policy_adapter}` merged in" if policy_adapter else "")
+    start = f"`{policy_path}`" + (" (a GGUF file, dequantized at load)" if is_gguf(policy_path) else "") + \
+        (f" with the adapter `{policy_adapter}` merged in" if policy_adapter else "")
     text = [
         "---\n" + yaml.safe_dump(front_matter(policy_path, is_adapter), sort_keys=False) + "---\n",
         f"# {info.get('name', 'ppo_cli policy')}\n",

@@ -26,8 +26,38 @@ def looks_like_local_path(ref: str) -> bool:
     return ref.startswith((".", "/", "~")) or ref.endswith("/") or ref.count("/") > 1 or "\\" in ref
 
 
+def is_gguf(path: str) -> bool:
+    """A model given as a single GGUF file (llama.cpp's format), loaded dequantized by transformers."""
+    return str(path).lower().endswith(".gguf")
+
+
+def gguf_location(path: str) -> tuple[str, str]:
+    """(directory, file name): transformers loads a GGUF as ``from_pretrained(directory, gguf_file=name)``."""
+    local = Path(path).expanduser()
+    return str(local.parent), local.name
+
+
+def check_gguf_file(path: str) -> None:
+    """A local file that starts with the GGUF magic bytes, and the ``gguf`` package to read it."""
+    import importlib.util
+
+    local = Path(path).expanduser()
+    if not local.is_file():
+        raise ModelReferenceError(f"GGUF file not found: {path}", hint="check the path (relative to the current directory)")
+    with open(local, "rb") as file:
+        if file.read(4) != b"GGUF":
+            raise ModelReferenceError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)",
+                                      hint="point at a .gguf file written by llama.cpp's converter, or at a model directory")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelReferenceError(f"reading the GGUF file {path} needs the gguf package, which is not installed",
+                                  hint="pip install gguf")
+
+
 def check_model_reference(path: str) -> None:
-    """Fail early and clearly when a model is neither a local directory nor reachable on the hub."""
+    """Fail early and clearly when a model is neither a local directory (or GGUF file) nor reachable on the hub."""
+    if is_gguf(path):
+        check_gguf_file(path)
+        return
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -122,7 +152,7 @@ def _in_hub_cache(repo_id: str) -> bool:
 MODEL_ALIASES = ("base", "aligned")
 MODEL_REFERENCE_HINT = (
     "a model is 'base' or 'aligned' (of --run DIR, default the latest run), a run or checkpoint directory, "
-    "a local model directory, or a hub id"
+    "a local model directory or .gguf file, or a hub id"
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -309,6 +339,9 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
     path = Path(ref).expanduser()
     if path.is_dir():
         return _resolve_directory(ref, path)
+    if is_gguf(ref):
+        check_gguf_file(ref)
+        return ResolvedModel(ref, "model", ref)
     if path.exists():
         raise ModelReferenceError(f"model reference {ref} is a file, not a model directory", hint=MODEL_REFERENCE_HINT)
     if looks_like_local_path(ref):

@@ -3,6 +3,7 @@
 
     python scripts/bench_vs_trl.py setup      # TRL 1.12.0 in its own venv (.cache/trl-venv), versions matched to ours
     python scripts/bench_vs_trl.py models     # bench models under .cache/bench/ (tiny + the 0.5B shape), prompts
+    python scripts/bench_vs_trl.py models --smollm2   # also the real SmolLM2-135M-Instruct (compare --shape smollm2)
     python scripts/bench_vs_trl.py compare --shape 0.5b --updates 5 --rounds 2
     python scripts/bench_vs_trl.py compare --shape tiny --updates 40 --rounds 3    # also the reward curves
     python scripts/bench_vs_trl.py scaling --shape 0.5b                            # ours at 3 batch sizes, 3 lengths
@@ -13,7 +14,9 @@ Shapes: ``tiny`` is the test suite's tiny review LM (scripts/make_tiny_models.py
 model derived from its sentiment classifier (score = logit(positive) - logit(negative)); ``0.5b`` has
 random weights (seeded) with Qwen2.5-0.5B's layer sizes (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, tied embeddings) on the tiny tokenizer's vocabulary, and a 1-label reward model of
-the same shape. TRL takes the reward model as its reward and, as in TRL's examples, as the value
+the same shape; ``smollm2`` is a real pretrained model, SmolLM2-135M-Instruct (scripts/fetch_smollm2.py:
+Llama, 30 layers, hidden 576, dequantized from a Q4_1 GGUF), with a 1-label reward model made of the same
+weights and a seeded random score head. TRL takes the reward model as its reward and, as in TRL's examples, as the value
 model's initialisation; ppo_cli takes the same model as a `type: model` reward component.
 
 Runs alternate between the two implementations (the order flips every round) so that machine noise
@@ -135,9 +138,30 @@ def write_prompts(path: Path, n: int = 256, seed: int = 1234) -> None:
     path.write_text("\n".join(prompts) + "\n")
 
 
+SMOLLM2 = ROOT / ".cache" / "smollm2-0.1.2"  # written by scripts/fetch_smollm2.py
+
+
 def shape_paths(shape: str) -> dict[str, Path]:
     base = CACHE / shape
-    return {"policy": base / "policy", "reward": base / "reward", "prompts": CACHE / "prompts.txt"}
+    policy = SMOLLM2 if shape == "smollm2" else base / "policy"
+    return {"policy": policy, "reward": base / "reward", "prompts": CACHE / "prompts.txt"}
+
+
+def smollm2_reward_model(seed: int) -> None:
+    """The real SmolLM2 weights under a seeded 1-label score head, as both tools' reward model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    paths = shape_paths("smollm2")
+    if (paths["reward"] / "config.json").exists():
+        return
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_smollm2.py")], check=True, cwd=ROOT)
+    torch.manual_seed(seed + 1)
+    rm = AutoModelForSequenceClassification.from_pretrained(paths["policy"], num_labels=1, dtype=torch.float32)
+    rm.config.pad_token_id = rm.config.eos_token_id  # the score is read at the last non-pad token
+    rm.save_pretrained(paths["reward"])
+    AutoTokenizer.from_pretrained(paths["policy"]).save_pretrained(paths["reward"])
+    print("wrote", paths["reward"])
 
 
 def cmd_models(args) -> None:
@@ -193,6 +217,8 @@ def cmd_models(args) -> None:
         tokenizer.save_pretrained(big["reward"])
         print("wrote", big["policy"], big["reward"],
               f"({sum(p.numel() for p in rm.parameters()) / 1e6:.1f}M parameters each)")
+    if args.smollm2:
+        smollm2_reward_model(args.seed)
 
 
 # --- one run of each implementation --------------------------------------------------------------
@@ -638,9 +664,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("models")
     p.add_argument("--tiny-models", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smollm2", action="store_true", help="also the smollm2 shape (fetches the real weights)")
     for name in ("compare", "scaling", "memory"):
         p = sub.add_parser(name)
-        p.add_argument("--shape", choices=("tiny", "0.5b"), default="0.5b")
+        p.add_argument("--shape", choices=("tiny", "0.5b", "smollm2"), default="0.5b")
         p.add_argument("--updates", type=int, default=5)
         p.add_argument("--rounds", type=int, default=2)
         p.add_argument("--modes", default="lora,full")

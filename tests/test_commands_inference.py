@@ -305,7 +305,7 @@ def test_unknown_model_reference_and_missing_run(ws: Workspace, tmp_path: Path):
     assert (result.exit_code, errors(result)) == (2, [
         "error: unknown model reference 'alignd'",
         "hint: did you mean 'aligned'? a model is 'base' or 'aligned' (of --run DIR, default the latest run), a run or "
-        "checkpoint directory, a local model directory, or a hub id",
+        "checkpoint directory, a local model directory or .gguf file, or a hub id",
     ])
     missing = tmp_path / "no-such-run"
     result = invoke("compare", "base", "aligned", "--run", missing, "--prompts", ws.prompts)

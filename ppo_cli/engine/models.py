@@ -16,8 +16,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ppo_cli.auto import weights_dtype
-from ppo_cli.errors import ModelLoadError, first_line
-from ppo_cli.model_refs import check_adapter_reference, check_model_reference, hub_offline
+from ppo_cli.errors import ModelLoadError, ModelReferenceError, first_line
+from ppo_cli.model_refs import check_adapter_reference, check_model_reference, gguf_location, hub_offline, is_gguf
 from ppo_cli.recipe import LoraConfig
 
 POLICY_ADAPTER = "policy"
@@ -93,8 +93,11 @@ def load_pretrained(
                              hint="set policy.attn_implementation: auto (or sdpa)")
     if quant_config is not None:
         load_kwargs.update(quantization_config=quant_config, device_map={"": device})
+    location = path
+    if is_gguf(path):
+        location, load_kwargs = _gguf_kwargs(path, load_kwargs)
     try:
-        model = auto_class.from_pretrained(path, **load_kwargs)
+        model = auto_class.from_pretrained(location, **load_kwargs)
     except SafetensorError as err:
         raise ModelLoadError(f"cannot load model '{path}': its safetensors weights are damaged ({err})",
                              hint="copy or download the model again; an interrupted copy leaves a file cut short") from err
@@ -107,6 +110,23 @@ def load_pretrained(
     return model
 
 
+def _gguf_kwargs(path: str, load_kwargs: dict) -> tuple[str, dict]:
+    """from_pretrained's location and arguments for a GGUF file: every weight dequantized to ``dtype``.
+
+    ``dequantize=True`` also makes transformers drop its GGUF quantizer after loading, so the model is
+    plain weights that train and save (with the quantizer attached, save_pretrained refuses), and
+    never the packed GGUF layers transformers would otherwise pick when a GGUF kernel is installed.
+    """
+    from transformers import GgufConfig
+
+    if "quantization_config" in load_kwargs:
+        raise ModelLoadError(f"cannot load the GGUF file '{path}' in 4/8 bit directly",
+                             hint="load it dequantized (quantization: none)")  # load_causal_lm goes through a saved copy
+    directory, name = gguf_location(path)
+    kwargs = {k: v for k, v in load_kwargs.items() if k not in ("use_safetensors", "revision")}
+    return directory, dict(kwargs, gguf_file=name, quantization_config=GgufConfig(dequantize=True))
+
+
 def load_causal_lm(path: str, adapter: str | None, *, dtype: torch.dtype, device: torch.device,
                    quantization: str = "none", **kwargs):
     """A causal LM from ``path`` with the peft LoRA ``adapter`` (e.g. an SFT result) merged into its weights.
@@ -115,14 +135,15 @@ def load_causal_lm(path: str, adapter: str | None, *, dtype: torch.dtype, device
     rounding errors), so a quantized model is loaded in ``dtype``, merged, saved to a temporary
     directory and loaded again quantized: the weights are those of quantizing base + adapter, as if
     the merged model had been saved and loaded quantized. This needs the full-precision model in
-    memory and on disk once, while loading.
+    memory and on disk once, while loading. A GGUF file (dequantized) asked for in 4/8 bit takes the
+    same way, with no adapter to merge.
     """
     from transformers import AutoModelForCausalLM
 
-    if adapter is None:
+    if adapter is None and (quantization == "none" or not is_gguf(path)):
         return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, device=device, quantization=quantization, **kwargs)
     base = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, device=device, **kwargs)
-    merged = merge_adapter_into(base, adapter, path)
+    merged = merge_adapter_into(base, adapter, path) if adapter is not None else base
     if quantization == "none":
         return merged
     with tempfile.TemporaryDirectory(prefix="ppo-merged-") as tmp:
@@ -200,8 +221,12 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str 
     from transformers import AutoTokenizer
 
     check_model_reference(path)
+    location, extra = (path, dict(revision=revision))
+    if is_gguf(path):  # the tokenizer and chat template are in the file's metadata
+        location, name = gguf_location(path)
+        extra = dict(gguf_file=name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as err:
         hint = _hub_hint(path) if isinstance(err, OSError) else None
         raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line(err)}", hint=hint) from err
