@@ -6,6 +6,7 @@ Then a run whose second process stalls (SIGSTOP, as a stuck device or a hung fil
 it): every process ends within train.collective_timeout_s plus a margin, exit 1, one line naming the
 phase, and the last checkpoint intact and resumable."""
 
+import importlib.util
 import json
 import os
 import re
@@ -65,6 +66,19 @@ def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
     command = [*_accelerate_launch(), "--config_file", "recipes/accelerate/fsdp.yaml", "--main_process_port", str(_free_port()),
                "-m", "ppo_cli", "train", RECIPE, *_where(tiny_models, tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed here: scripts/deepspeed_test.sh runs this test in its own venv")
+def test_the_readme_zero3_command_trains_and_evaluates(tiny_models, tmp_path):
+    """accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml -m ppo_cli train recipes/tiny_sentiment.yaml
+    (2 processes: the config's 4 are one per GPU)"""
+    command = [*_accelerate_launch(), "--config_file", "recipes/accelerate/deepspeed_zero3.yaml", "--num_processes", "2",
+               "--main_process_port", str(_free_port()), "-m", "ppo_cli", "train", RECIPE, *_where(tiny_models, tmp_path)]
+    env = {**_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
 
