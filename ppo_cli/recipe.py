@@ -463,6 +463,11 @@ class MonitorConfig(Section):
         "(reward hacking).",
     )
     eos_rate_floor: float = Field(0.0, ge=0.0, lt=1.0, description="Warn when the EOS rate stays at or below this for a whole window.")
+    zero_std_groups_high: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="generation.num_generations >= 2: warn when the mean fraction of prompt groups whose completions "
+        "all score the same (frac_reward_zero_std) is above this; those groups carry no signal for grpo and rloo.",
+    )
     ratio_tolerance: float = Field(
         0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
     )
