@@ -26,7 +26,7 @@ from ppo_cli.algo.group import group_normalized_advantages, group_reward_stats, 
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
-from ppo_cli.algo.masking import mask_truncated_completions, masked_mean, masked_whiten
+from ppo_cli.algo.masking import global_masked_mean_var, mask_truncated_completions, masked_mean, masked_whiten
 from ppo_cli.algo.reinforce import reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
@@ -39,6 +39,8 @@ from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flo
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
+
+GRPO_EPS = 1e-4  # added to the std GRPO divides by (TRL's epsilon; verl's is 1e-6)
 
 # --- setup ---------------------------------------------------------------------------------------
 
@@ -122,8 +124,13 @@ def critic_free_advantages(rollout: Rollout, kl: torch.Tensor, kl_coef: float, p
             advantages, returns = reinforce_plus_plus_advantages(rollout.scores, kl, kl_coef, mask, ppo.gamma, reduce_sum)
         return Advantages(rewards, non_score_rewards, kl, advantages, returns)
     sequence_rewards = rollout.scores + non_score_rewards.sum(dim=1)
-    if ppo.advantage == "grpo":
-        sequence = group_normalized_advantages(sequence_rewards, group_size, ppo.scale_rewards)
+    if ppo.advantage == "grpo" and ppo.scale_rewards == "batch" and reduce_sum is not None:
+        # the std of every process's scores (TRL gathers them); a constant group stays exactly 0
+        centred = group_normalized_advantages(sequence_rewards, group_size, "none")
+        _, var = global_masked_mean_var(sequence_rewards.unsqueeze(1), torch.ones_like(mask[:, :1]), reduce_sum)
+        sequence = centred / (var.sqrt() + GRPO_EPS)
+    elif ppo.advantage == "grpo":
+        sequence = group_normalized_advantages(sequence_rewards, group_size, ppo.scale_rewards, GRPO_EPS)
     else:
         sequence = rloo_advantages(sequence_rewards, group_size)
     advantages = (sequence.unsqueeze(1) * mask).to(rewards.dtype)

@@ -78,3 +78,16 @@ def test_gae_with_the_kl_in_the_loss_keeps_it_out_of_the_reward():
     adv = compute_advantages(r, 0.5, PPOConfig(kl_penalty="loss", whiten_advantages=False))
     assert adv.non_score_rewards.abs().sum() == 0
     torch.testing.assert_close(adv.rewards.sum(dim=1), torch.tensor(SCORES))
+
+
+def test_grpo_batch_scale_across_processes_uses_every_process_scores():
+    """Two processes holding the same batch: the global std over 8 scores, not the local one over 4."""
+    r = rollout()
+    ppo = PPOConfig(advantage="grpo", scale_rewards="batch")
+    local = compute_advantages(r, 0.5, ppo, group_size=2)
+    doubled = compute_advantages(r, 0.5, ppo, reduce_sum=lambda t: 2 * t, group_size=2)
+    scores = torch.tensor(SCORES)
+    std_local, std_global = scores.std().item(), torch.cat([scores, scores]).std().item()
+    assert local.advantages[1, 0].item() == pytest.approx(1.0 / (std_local + 1e-4), rel=1e-6)
+    assert doubled.advantages[1, 0].item() == pytest.approx(1.0 / (std_global + 1e-4), rel=1e-6)
+    assert doubled.advantages[2:].abs().sum() == 0  # the constant group
