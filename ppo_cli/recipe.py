@@ -24,8 +24,9 @@ CRITIC_KINDS = {
     "model": "a separate model + a scalar head, from the policy, the reward model (init_from) or value.path",
     "none": "no critic: nothing built, trained or saved (the critic-free ppo.advantage estimators)",
 }
-# ppo.advantage's estimators that need no critic (every one but gae).
+# ppo.advantage's estimators that need no critic (every one but gae), and the ppo keys only gae reads.
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
+GAE_ONLY = ("vf_coef", "cliprange_value", "gae_lambda", "whiten_rewards", "whiten_advantages")
 
 
 def _rule_error(message: str, hint: str | None = None, key: str | None = None) -> PydanticCustomError:
@@ -278,8 +279,8 @@ class PPOConfig(Section):
         "none), the same for every token of a completion. rloo: the score minus the mean of the other completions of "
         "its prompt (Ahmadian et al. 2024). reinforce_pp: REINFORCE++ (Hu 2025), per-token returns of the KL-shaped "
         "reward whitened over the batch; with num_generations >= 2 the group mean is subtracted first. The three "
-        "critic-free ones need no value model (value.kind auto is none) and ignore gamma's GAE lambda, vf_coef, "
-        "cliprange_value, whiten_rewards and whiten_advantages (reinforce_pp whitens by definition).",
+        "critic-free ones need no value model (value.kind auto is none) and refuse gae's keys (gae_lambda, vf_coef, "
+        "cliprange_value, whiten_rewards, whiten_advantages) set off their defaults; reinforce_pp whitens by definition.",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -610,12 +611,20 @@ class Recipe(Section):
                 "set `value.kind: none` (or auto) and remove the other value.* keys, or `ppo.advantage: gae`",
                 key="value.kind",
             )
-        critic_keys = sorted(self.value.model_fields_set - {"kind"})
+        # By value, not by what was written: a run's resolved recipe.yaml spells out every default.
+        critic_keys = [k for k, f in ValueConfig.model_fields.items() if k != "kind" and getattr(self.value, k) != f.default]
         if ppo.critic_free and critic_keys:
             raise _rule_error(
                 f"configures a critic, but ppo.advantage '{ppo.advantage}' has none",
                 f"remove `value.{critic_keys[0]}`, or set `ppo.advantage: gae`",
                 key=f"value.{critic_keys[0]}",
+            )
+        gae_keys = [k for k in GAE_ONLY if getattr(ppo, k) != PPOConfig.model_fields[k].default]
+        if ppo.critic_free and gae_keys:
+            raise _rule_error(
+                f"only used with ppo.advantage 'gae' (a critic), but it is '{ppo.advantage}'",
+                f"remove `ppo.{gae_keys[0]}`, or set `ppo.advantage: gae`",
+                key=f"ppo.{gae_keys[0]}",
             )
         if ppo.scale_rewards != "group" and ppo.advantage != "grpo":
             raise _rule_error(

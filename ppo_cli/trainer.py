@@ -391,19 +391,22 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     )
 
 
+def process_prompts(sampler: PromptSampler, size: int, rank: int, world_size: int, group_size: int) -> list:
+    """This process's episodes' prompts: every process draws the same global batch of ``size`` x
+    ``world_size`` prompts and keeps its own slice (no prompt is seen twice), then repeats each prompt
+    ``group_size`` times in a row, so a prompt's group is whole on one process: [p0 x G, p1 x G, ...]."""
+    prompts = sampler.next_batch(size * world_size)[rank * size : (rank + 1) * size]
+    return [prompt for prompt in prompts for _ in range(group_size)]
+
+
 def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     """One PPO update: rollout -> advantages -> optimise -> adapt. Returns its metrics."""
     recipe, engine = state.recipe, state.engine
     started = time.perf_counter()
 
-    # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
-    size, dist = recipe.ppo.rollout_batch_size, state.dist
+    dist, G = state.dist, recipe.generation.num_generations
     enter_phase("rollout")
-    prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
-    # Each prompt G times in a row, after the split: a prompt's group stays whole on one process.
-    G = recipe.generation.num_generations
-    if G > 1:
-        prompts = [prompt for prompt in prompts for _ in range(G)]
+    prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
     with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
         rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started

@@ -9,7 +9,8 @@ import torch
 
 from ppo_cli.algo.reinforce import reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages
 from ppo_cli.recipe import PPOConfig
-from ppo_cli.trainer import compute_advantages
+from ppo_cli.engine.data import PromptSampler
+from ppo_cli.trainer import compute_advantages, process_prompts
 from ppo_cli.types import Generation, Rollout
 
 LENGTHS = [3, 1, 2, 3]  # prompt 0: completions 0, 1; prompt 1: completions 2, 3
@@ -91,3 +92,13 @@ def test_grpo_batch_scale_across_processes_uses_every_process_scores():
     assert local.advantages[1, 0].item() == pytest.approx(1.0 / (std_local + 1e-4), rel=1e-6)
     assert doubled.advantages[1, 0].item() == pytest.approx(1.0 / (std_global + 1e-4), rel=1e-6)
     assert doubled.advantages[2:].abs().sum() == 0  # the constant group
+
+
+def test_each_process_gets_whole_groups_of_its_own_prompts():
+    prompts = [f"p{i}" for i in range(8)]
+    draws = [process_prompts(PromptSampler(prompts, seed=0, shuffle=True), 2, rank, 2, 3) for rank in range(2)]
+    for episodes in draws:
+        assert len(episodes) == 6 and episodes[0:3] == [episodes[0]] * 3 and episodes[3:6] == [episodes[3]] * 3
+    assert len({draws[0][0], draws[0][3], draws[1][0], draws[1][3]}) == 4  # no prompt on two processes
+    assert process_prompts(PromptSampler(prompts, seed=0, shuffle=True), 4, 0, 1, 1) == \
+        PromptSampler(prompts, seed=0, shuffle=True).next_batch(4)  # G = 1: the batch as drawn

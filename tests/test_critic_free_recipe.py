@@ -4,7 +4,7 @@ they count in episodes, and each refusal as one exact line."""
 from __future__ import annotations
 
 from ppo_cli.auto import value_kind
-from ppo_cli.recipe_loading import load_recipe
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
 from tests.test_recipe import BASE, error, variant, write
 
 GRPO = ["ppo.advantage=grpo", "generation.num_generations=4"]
@@ -75,3 +75,15 @@ def test_scale_rewards_is_for_grpo_only(tmp_path):
     err = error(write(tmp_path, BASE), ["ppo.advantage=rloo", "generation.num_generations=4", "ppo.scale_rewards=none"])
     assert err.message == "--set ppo.scale_rewards: only used with ppo.advantage 'grpo', but it is 'rloo'"
     assert err.hint == "remove `ppo.scale_rewards` or set `ppo.advantage: grpo`"
+
+
+def test_gae_only_keys_are_refused_with_a_critic_free_estimator(tmp_path):
+    err = error(write(tmp_path, BASE), [*GRPO, "ppo.whiten_rewards=true"])
+    assert err.message == "--set ppo.whiten_rewards: only used with ppo.advantage 'gae' (a critic), but it is 'grpo'"
+    assert err.hint == "remove `ppo.whiten_rewards`, or set `ppo.advantage: gae`"
+
+
+def test_a_resolved_critic_free_recipe_reads_back_equal(tmp_path):
+    """The run's recipe.yaml writes every default (value.init_from, ppo.vf_coef, ...): it must load again."""
+    recipe = load_recipe(write(tmp_path, BASE), [*GRPO, "ppo.scale_rewards=none"])
+    assert load_recipe(write(tmp_path, dump_resolved(recipe), "resolved.yaml")) == recipe
