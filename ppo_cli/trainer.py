@@ -53,10 +53,9 @@ def make_kl_controller(ppo: PPOConfig):
 
 def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
     ac = engine.actor_critic
-    groups = [
-        {"params": ac.policy_parameters(), "lr": optim.lr},
-        {"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)},
-    ]
+    groups = [{"params": ac.policy_parameters(), "lr": optim.lr}]
+    if ac.critic is not None:  # value.kind none: no second group (DeepSpeed and FSDP flatten each group)
+        groups.append({"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
     if optim.name != "adamw":
         import bitsandbytes as bnb
 
