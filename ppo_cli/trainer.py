@@ -189,8 +189,10 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
         stats.add(value_loss=value.loss, value_clipfrac=value.clipfrac)
     if ppo.kl_in_loss:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
-        ref_kl = kl_penalty(logprobs, rollout.ref_logprobs[rows, :T], "k3")
-        kl_loss = aggregate_loss(torch.where(loss_mask, ref_kl, 0), loss_mask, ppo.loss_aggregation, max_len)
+        # Padding zeroed before the exp: exp(ref - logprob) of a padding token can overflow, and its
+        # inf would reach the gradient as 0 * inf = NaN through a where() after it.
+        ref_kl = kl_penalty(torch.where(loss_mask, logprobs, 0), torch.where(loss_mask, rollout.ref_logprobs[rows, :T], 0), "k3")
+        kl_loss = aggregate_loss(ref_kl, loss_mask, ppo.loss_aggregation, max_len)
         loss = loss + state.kl_controller.value * kl_loss
         stats.add(kl_loss=kl_loss)
     stats.add(
