@@ -40,11 +40,14 @@ def value_settings(recipe: Recipe) -> ValueSettings:
     init_from reward, train_backbone false: it starts as the reward model and trains only its head)
     when a scalar reward model can serve as one (``frozen_critic_reward``); otherwise the value head,
     with LoRA and without. A separate model when the recipe names one (value.path, init_from reward),
-    the adapter when it gives the adapter's settings (value.lora). A concrete kind is kept as written."""
+    the adapter when it gives the adapter's settings (value.lora). A concrete kind is kept as written.
+    No critic (none) for a critic-free ppo.advantage."""
     v = recipe.value
     as_written = ValueSettings(v.kind, v.init_from, v.train_backbone, v.path, v.dtype)
     if v.kind != "auto":
         return as_written
+    if recipe.ppo.critic_free:  # grpo, rloo, reinforce_pp: the baseline comes from the scores, not a critic
+        return as_written._replace(kind="none")
     if v.path is not None or v.init_from == "reward":
         return as_written._replace(kind="model")
     if v.lora is not None and recipe.policy.lora is not None:
@@ -55,7 +58,7 @@ def value_settings(recipe: Recipe) -> ValueSettings:
 
 
 def value_kind(recipe: Recipe) -> str:
-    """``value.kind`` with 'auto' resolved (value_settings): 'adapter', 'head' or 'model'."""
+    """``value.kind`` with 'auto' resolved (value_settings): 'adapter', 'head', 'model' or 'none'."""
     return value_settings(recipe).kind
 
 

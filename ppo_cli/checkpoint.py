@@ -59,8 +59,6 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path, full_stat
     ``full_state``: the ActorCritic's whole state dict gathered from sharded processes (FSDP,
     Distributed.full_model_state); None reads the modules themselves.
     """
-    critic = directory / CRITIC
-    critic.mkdir()
     policy_state = part_of(full_state, "policy.")
     if ac.is_peft:
         save_adapter(ac.policy, POLICY_ADAPTER, directory / "_policy", state_dict=policy_state)
@@ -70,9 +68,12 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path, full_stat
     else:
         model = unwrap_causal_lm(ac.policy)
         model.save_pretrained(directory, safe_serialization=True, state_dict=without_tied_copies(model, policy_state))
-    ac.critic.save(ac, critic, full_state)
-    head = part_of(full_state, "value_head.") or ac.value_head.state_dict()
-    save_file({name: t.detach().contiguous().cpu() for name, t in head.items()}, critic / VALUE_HEAD)
+    if ac.critic is not None:  # value.kind none: no critic/ at all
+        critic = directory / CRITIC
+        critic.mkdir()
+        ac.critic.save(ac, critic, full_state)
+        head = part_of(full_state, "value_head.") or ac.value_head.state_dict()
+        save_file({name: t.detach().contiguous().cpu() for name, t in head.items()}, critic / VALUE_HEAD)
     tokenizer.save_pretrained(directory)
 
 
@@ -295,8 +296,9 @@ def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
     else:
         weights = sorted(p for p in directory.glob("*.safetensors") if p.name != VALUE_HEAD)
         load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
-    ac.critic.load(ac, critic)
-    ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
+    if ac.critic is not None:
+        ac.critic.load(ac, critic)
+        ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
 
 
 def keyed_by_parameter_name(optimizer_state: dict) -> bool:

@@ -228,9 +228,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     critic = CRITICS[s.value_kind].memory(s, policy, value, lora)
     lines += critic.static
     value_state_bytes = _optimizer_state_bytes(s.optimizer, critic.param_bytes)
-    lines.append(Line("value", "gradients + AdamW states",
-                      (critic.param_bytes + ADAMW_STATES * value_state_bytes) * critic.trainable / GB,
-                      f"{critic.trainable / 1e6:.2f}M x ({critic.param_bytes:g} + 2 x {value_state_bytes:g}) B"))
+    if critic.trainable:  # value.kind none trains nothing
+        lines.append(Line("value", "gradients + AdamW states",
+                          (critic.param_bytes + ADAMW_STATES * value_state_bytes) * critic.trainable / GB,
+                          f"{critic.trainable / 1e6:.2f}M x ({critic.param_bytes:g} + 2 x {value_state_bytes:g}) B"))
     # --- reward
     for shape, (dtype, quantization, _) in zip(rewards, s.rewards):
         lines.append(Line("reward", f"weights ({Path(shape.path).name})", shape.weight_bytes(dtype, quantization) / GB,
@@ -362,11 +363,14 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
         if combine:
             combined, combined_sets, n_combined = _merge(combined, alt, s), combined_sets + sets, n_combined + 1
 
-    if s.lora is None:
+    if s.lora is None and s.value_kind == "none":
+        offer("train a LoRA adapter (the reference is then the adapter disabled)", ["policy.lora={r: 16}"],
+              dataclasses.replace(s, lora=LoraConfig(), reference="adapter"))
+    elif s.lora is None:
         offer("train a LoRA adapter (the reference is then the adapter disabled; value head on the policy)",
               ["policy.lora={r: 16}", "value.kind=head"],
               dataclasses.replace(s, lora=LoraConfig(), reference="adapter", value_kind="head"))
-    elif s.value_kind != "head":
+    elif s.value_kind not in ("head", "none"):
         offer("value head on the policy instead of a separate critic", ["value.kind=head"],
               dataclasses.replace(s, value_kind="head"))
     if s.lora is not None and s.quantization == "none":
@@ -427,7 +431,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
         value_kind=value.kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
         rewards=rewards, micro_batch=update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
-        rollout_batch=recipe.ppo.rollout_batch_size,
+        rollout_batch=recipe.episodes_per_update,
         prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,

@@ -90,9 +90,13 @@ def _usage(policy_path: str, policy_adapter: str | None, is_adapter: bool) -> st
     return "```python\n" + "\n".join(code) + "\n```\n"
 
 
+ALGORITHMS = {"gae": "PPO (RLHF)", "grpo": "GRPO (RLHF, no critic)", "rloo": "RLOO (RLHF, no critic)",
+              "reinforce_pp": "REINFORCE++ (RLHF, no critic)"}  # ppo.advantage -> the card's words
+
+
 def render_model_card(info: dict, recipe_yaml: str, before: dict | None = None, after: dict | None = None) -> str:
     """README.md for final/. ``info`` is final/ppo_cli.json's content (policy_path, policy_adapter,
-    lora, step, value_kind); ``before``/``after`` are summary.json's held-out numbers."""
+    lora, step, value_kind, advantage); ``before``/``after`` are summary.json's held-out numbers."""
     policy_path, policy_adapter, is_adapter = info["policy_path"], info.get("policy_adapter"), bool(info.get("lora"))
     what = "A LoRA adapter (peft)" if is_adapter else "A full fine-tune"
     start = f"`{policy_path}`" + (" (a GGUF file, dequantized at load)" if is_gguf(policy_path) else "") + \
@@ -100,7 +104,8 @@ def render_model_card(info: dict, recipe_yaml: str, before: dict | None = None, 
     text = [
         "---\n" + yaml.safe_dump(front_matter(policy_path, is_adapter), sort_keys=False) + "---\n",
         f"# {info.get('name', 'ppo_cli policy')}\n",
-        f"{what} trained with PPO (RLHF) by ppo_cli for {info.get('step')} updates, starting from {start}. "
+        f"{what} trained with {ALGORITHMS[info.get('advantage', 'gae')]} by ppo_cli for {info.get('step')} "
+        f"updates, starting from {start}. "
         "The reference for the KL penalty was the starting model.\n",
     ]
     if policy_adapter:
@@ -114,7 +119,8 @@ def render_model_card(info: dict, recipe_yaml: str, before: dict | None = None, 
         "## Usage\n", _usage(policy_path, policy_adapter, is_adapter),
         "## Files\n",
         ("The policy at the top" + (" (peft adapter)" if is_adapter else " (transformers weights)") +
-         " with its tokenizer; the critic PPO trained in `critic/` (not needed to generate); `merged/`, when "
+         " with its tokenizer; " + ("" if info.get("value_kind") == "none" else
+                                    "the critic PPO trained in `critic/` (not needed to generate); ") + "`merged/`, when "
          "present, the policy with every adapter folded into plain transformers weights; `ppo_cli.json`, "
          "the run's facts; `manifest.json`, every file's size and checksum.\n"),
         "## Recipe\n",

@@ -45,7 +45,9 @@ DISTINCT = "samples/distinct_1"
 EOS_RATE = "eos_rate"
 RATIO_FIRST = "val/ratio_first_minibatch"
 LENGTH = "response_length"
-WATCHED = (CLIPFRAC, APPROX_KL, KL, KL_COEF, VALUE_LOSS, ENTROPY, SCORES, DISTINCT, EOS_RATE, RATIO_FIRST, LENGTH)
+ZERO_STD_GROUPS = "frac_reward_zero_std"  # generation.num_generations >= 2 only
+WATCHED = (CLIPFRAC, APPROX_KL, KL, KL_COEF, VALUE_LOSS, ENTROPY, SCORES, DISTINCT, EOS_RATE, RATIO_FIRST, LENGTH,
+           ZERO_STD_GROUPS)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -327,6 +329,24 @@ def _eos_stuck(h: History, c: MonitorConfig):
     values = h.window_of(EOS_RATE)
     if values is not None and max(values) <= c.eos_rate_floor:
         return max(values), f"EOS rate stayed at {max(values):.0%} for the last {len(values)} updates"
+    return None
+
+
+@rule(
+    "groups_without_signal",
+    cause="most prompts' completions all score the same, and a group of equal scores gives every completion "
+    "advantage 0 (grpo, rloo): the update learns from the few groups left, or from nothing. The completions are "
+    "too alike, or the task is too easy (all pass) or too hard (all fail) for the policy",
+    fix="raise generation.temperature or generation.num_generations; or give the reward finer steps, or easier "
+    "or harder prompts in data.prompts",
+)
+def _groups_without_signal(h: History, c: MonitorConfig):
+    values = h.window_of(ZERO_STD_GROUPS)
+    if values is not None and mean(values) > c.zero_std_groups_high:
+        return mean(values), (
+            f"{mean(values):.0%} of the prompt groups scored all their completions the same over the last "
+            f"{len(values)} updates (above {c.zero_std_groups_high:g})"
+        )
     return None
 
 

@@ -22,7 +22,11 @@ CRITIC_KINDS = {
     "adapter": "a second LoRA adapter on the policy's base + a scalar head (needs policy.lora)",
     "head": "a scalar head on the policy's own hidden states: one forward gives logits and values",
     "model": "a separate model + a scalar head, from the policy, the reward model (init_from) or value.path",
+    "none": "no critic: nothing built, trained or saved (the critic-free ppo.advantage estimators)",
 }
+# ppo.advantage's estimators that need no critic (every one but gae), and the ppo keys only gae reads.
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
+GAE_ONLY = ("vf_coef", "cliprange_value", "gae_lambda", "whiten_rewards", "whiten_advantages")
 
 
 def _rule_error(message: str, hint: str | None = None, key: str | None = None) -> PydanticCustomError:
@@ -91,7 +95,8 @@ class ValueConfig(Section):
     kind: Literal[("auto", *CRITIC_KINDS)] = Field(  # type: ignore[valid-type]
         "auto",
         description="; ".join(f"{name}: {description}" for name, description in CRITIC_KINDS.items())
-        + ". auto (chosen by wall-clock to a target reward, docs/benchmarks.md): the frozen reward-model critic "
+        + ". auto: none for a critic-free ppo.advantage (grpo, rloo, reinforce_pp); with gae (chosen by wall-clock "
+        "to a target reward, docs/benchmarks.md) the frozen reward-model critic "
         "(model, init_from: reward, train_backbone: false) when the reward has a scalar `type: model` component of the "
         "policy's architecture and tokenizer, else head, with LoRA and without; model with value.path or "
         "init_from: reward; adapter with value.lora.",
@@ -221,6 +226,13 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs use logits / temperature too.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 disables it.")
+    num_generations: int = Field(
+        1, gt=0,
+        description="Completions sampled per prompt (TRL's name), each prompt repeated this many times in a row before "
+        "generation, so its completions form one group. ppo.advantage grpo and rloo compare a group's completions and "
+        "need >= 2; reinforce_pp with >= 2 subtracts the group's mean score first (REINFORCE++-baseline). Episodes per "
+        "update = ppo.rollout_batch_size x num_generations.",
+    )
     stop_token: str | None = Field(None, description="Stop token text. Default: the tokenizer's EOS (TRL: stop_token='eos').")
     backend: Literal["hf", "vllm"] = Field(
         "hf",
@@ -248,7 +260,9 @@ class AdaptiveKLConfig(Section):
 
 
 class PPOConfig(Section):
-    rollout_batch_size: int = Field(16, gt=0, description="Prompts (episodes) per update (TRL: batch_size).")
+    rollout_batch_size: int = Field(
+        16, gt=0, description="Prompts per update (TRL: batch_size); each gives generation.num_generations episodes."
+    )
     mini_batch_size: int = Field(8, gt=0, description="Episodes per optimizer step (TRL: mini_batch_size).")
     micro_batch_size: int = Field(8, gt=0, description="Episodes per forward/backward (TRL: per_device_train_batch_size).")
     micro_batch_tokens: int | None = Field(
@@ -257,6 +271,48 @@ class PPOConfig(Section):
         "(episodes x (prompt + longest response)), filled longest response first, so short responses share a "
         "forward and memory is bounded by tokens (verl: use_dynamic_bsz). An episode longer than this gets a "
         "micro-batch of its own. The rollout's forwards still use micro_batch_size.",
+    )
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "gae",
+        description="The advantage estimator. gae: PPO with a critic (value.*), GAE over the per-token rewards. "
+        "grpo: the score minus its group's mean, divided per scale_rewards (DeepSeekMath; Dr. GRPO with scale_rewards "
+        "none), the same for every token of a completion. rloo: the score minus the mean of the other completions of "
+        "its prompt (Ahmadian et al. 2024). reinforce_pp: REINFORCE++ (Hu 2025), per-token returns of the KL-shaped "
+        "reward whitened over the batch; with num_generations >= 2 the group mean is subtracted first. The three "
+        "critic-free ones need no value model (value.kind auto is none) and refuse gae's keys (gae_lambda, vf_coef, "
+        "cliprange_value, whiten_rewards, whiten_advantages) set off their defaults; reinforce_pp whitens by definition.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="grpo: divide the centred scores by the std of the group's scores (group, the GRPO paper), of "
+        "the whole batch's (batch) or by nothing (none: Dr. GRPO, Liu et al. 2025). TRL's scale_rewards.",
+    )
+    kl_penalty: Literal["auto", "reward", "loss"] = Field(
+        "auto",
+        description="Where the KL to the reference enters, with coefficient kl_coef. reward: -kl_coef x the per-token "
+        "KL (kl_estimator) in the reward (PPO, RLOO, REINFORCE++; rloo sums it into the sequence reward). loss: "
+        "kl_coef x the k3 KL of the policy being updated, aggregated as the policy loss and added to it (GRPO's term; "
+        "TRL's beta). auto: loss for grpo, reward for the others. kl_coef 0 is TRL's GRPO default (beta 0.0); ours "
+        "stays 0.05 for every estimator.",
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="How the per-token policy loss becomes one number: token_mean (every token of the micro-batch "
+        "weighs the same: PPO, DAPO; TRL's dapo/bnpo), seq_mean_token_mean (every completion weighs the same: the "
+        "GRPO paper), seq_mean_token_sum_norm (each token weighs 1 / generation.max_new_tokens: Dr. GRPO).",
+    )
+    cliprange_high: float | None = Field(
+        None, gt=0.0, description="Clip radius of the ratio above 1 (DAPO's clip-higher, e.g. 0.28); null: cliprange."
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: one ratio per token (PPO, GRPO). sequence: the length-normalised sequence ratio on every "
+        "token of a completion (GSPO, Zheng et al. 2025; pair it with loss_aggregation seq_mean_token_mean).",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Completions that hit generation.max_new_tokens without their stop token leave the policy loss "
+        "(DAPO's overlong filtering; TRL's mask_truncated_completions). They still count in the rewards and advantages.",
     )
     ppo_epochs: int = Field(4, gt=0, description="Passes over each rollout batch (TRL: num_ppo_epochs).")
     cliprange: float = Field(0.2, gt=0.0, description="Clip range of the policy ratio (TRL: cliprange).")
@@ -289,28 +345,14 @@ class PPOConfig(Section):
         "Only float32 unquantized policies use generation; others fall back to forward.",
     )
 
-    @model_validator(mode="after")
-    def _batch_sizes_divide(self) -> "PPOConfig":
-        if self.rollout_batch_size % self.mini_batch_size:
-            raise _rule_error(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of mini_batch_size "
-                f"({self.mini_batch_size})",
-                "pick sizes where micro_batch_size divides mini_batch_size and mini_batch_size divides rollout_batch_size",
-                key="mini_batch_size",
-            )
-        if self.mini_batch_size % self.micro_batch_size:
-            raise _rule_error(
-                f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size})",
-                "pick sizes where micro_batch_size divides mini_batch_size and mini_batch_size divides rollout_batch_size",
-                key="micro_batch_size",
-            )
-        return self
+    @property
+    def critic_free(self) -> bool:
+        return self.advantage in CRITIC_FREE
 
     @property
-    def num_mini_batches(self) -> int:
-        """Optimizer steps per PPO epoch."""
-        return self.rollout_batch_size // self.mini_batch_size
+    def kl_in_loss(self) -> bool:
+        """kl_penalty with auto resolved: in the loss for grpo, in the reward otherwise."""
+        return self.kl_penalty == "loss" or (self.kl_penalty == "auto" and self.advantage == "grpo")
 
     @property
     def grad_accum_steps(self) -> int:
@@ -422,6 +464,11 @@ class MonitorConfig(Section):
         "(reward hacking).",
     )
     eos_rate_floor: float = Field(0.0, ge=0.0, lt=1.0, description="Warn when the EOS rate stays at or below this for a whole window.")
+    zero_std_groups_high: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="generation.num_generations >= 2: warn when the mean fraction of prompt groups whose completions "
+        "all score the same (frac_reward_zero_std) is above this; those groups carry no signal for grpo and rloo.",
+    )
     ratio_tolerance: float = Field(
         0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
     )
@@ -487,6 +534,16 @@ class Recipe(Section):
     logging: LoggingConfig = Field(LoggingConfig(), description="TensorBoard and experiment trackers, besides metrics.jsonl.")
 
     @property
+    def episodes_per_update(self) -> int:
+        """Completions per process and update: prompts x completions per prompt."""
+        return self.ppo.rollout_batch_size * self.generation.num_generations
+
+    @property
+    def num_mini_batches(self) -> int:
+        """Optimizer steps per PPO epoch."""
+        return self.episodes_per_update // self.ppo.mini_batch_size
+
+    @property
     def run_dir(self) -> Path:
         """Where the run writes: output_dir/name."""
         return Path(self.output_dir) / self.name
@@ -498,12 +555,87 @@ class Recipe(Section):
         value = self.value
         if value.kind != "auto":
             return value.kind
+        if self.ppo.critic_free:
+            return "none"
         if value.path is not None or value.init_from == "reward":
             return "model"
         return "adapter" if value.lora is not None and self.policy.lora is not None else "auto"
 
     @model_validator(mode="after")
+    def _episodes_divide(self) -> "Recipe":
+        ppo, G = self.ppo, self.generation.num_generations
+        if self.episodes_per_update % ppo.mini_batch_size == 0:
+            if ppo.mini_batch_size % ppo.micro_batch_size:
+                raise _rule_error(
+                    f"mini_batch_size ({ppo.mini_batch_size}) must be a multiple of micro_batch_size "
+                    f"({ppo.micro_batch_size})",
+                    "pick sizes where micro_batch_size divides mini_batch_size and mini_batch_size divides "
+                    "rollout_batch_size",
+                    key="ppo.micro_batch_size",
+                )
+            return self
+        if G == 1:
+            message = (f"rollout_batch_size ({ppo.rollout_batch_size}) must be a multiple of mini_batch_size "
+                       f"({ppo.mini_batch_size})")
+        else:
+            message = (f"rollout_batch_size x generation.num_generations ({ppo.rollout_batch_size} x {G} = "
+                       f"{self.episodes_per_update} episodes) must be a multiple of mini_batch_size "
+                       f"({ppo.mini_batch_size}): mini- and micro-batches count episodes (completions), not prompts")
+        raise _rule_error(
+            message,
+            "pick sizes where micro_batch_size divides mini_batch_size and mini_batch_size divides rollout_batch_size"
+            + ("" if G == 1 else " x num_generations"),
+            key="ppo.mini_batch_size",
+        )
+
+    def _estimator_fits(self) -> None:
+        """ppo.advantage against the critic and the group size."""
+        ppo, kind = self.ppo, self._value_kind_as_written()
+        G = self.generation.num_generations
+        if ppo.advantage in ("grpo", "rloo") and G < 2:
+            raise _rule_error(
+                f"'{ppo.advantage}' compares the completions of a prompt and needs generation.num_generations >= 2, "
+                f"got {G}",
+                "set `generation.num_generations: 4` (or more), or `ppo.advantage: reinforce_pp` or `gae`",
+                key="ppo.advantage",
+            )
+        if kind == "none" and not ppo.critic_free:
+            raise _rule_error(
+                "'none' leaves ppo.advantage 'gae' without the values it needs",
+                "set `value.kind: auto` (a critic), or a critic-free `ppo.advantage`: grpo, rloo or reinforce_pp",
+                key="value.kind",
+            )
+        if ppo.critic_free and kind != "none":
+            raise _rule_error(
+                f"a '{kind}' critic would be trained for nothing: ppo.advantage '{ppo.advantage}' uses no values",
+                "set `value.kind: none` (or auto) and remove the other value.* keys, or `ppo.advantage: gae`",
+                key="value.kind",
+            )
+        # By value, not by what was written: a run's resolved recipe.yaml spells out every default.
+        critic_keys = [k for k, f in ValueConfig.model_fields.items() if k != "kind" and getattr(self.value, k) != f.default]
+        if ppo.critic_free and critic_keys:
+            raise _rule_error(
+                f"configures a critic, but ppo.advantage '{ppo.advantage}' has none",
+                f"remove `value.{critic_keys[0]}`, or set `ppo.advantage: gae`",
+                key=f"value.{critic_keys[0]}",
+            )
+        gae_keys = [k for k in GAE_ONLY if getattr(ppo, k) != PPOConfig.model_fields[k].default]
+        if ppo.critic_free and gae_keys:
+            raise _rule_error(
+                f"only used with ppo.advantage 'gae' (a critic), but it is '{ppo.advantage}'",
+                f"remove `ppo.{gae_keys[0]}`, or set `ppo.advantage: gae`",
+                key=f"ppo.{gae_keys[0]}",
+            )
+        if ppo.scale_rewards != "group" and ppo.advantage != "grpo":
+            raise _rule_error(
+                f"only used with ppo.advantage 'grpo', but it is '{ppo.advantage}'",
+                "remove `ppo.scale_rewards` or set `ppo.advantage: grpo`",
+                key="ppo.scale_rewards",
+            )
+
+    @model_validator(mode="after")
     def _roles_fit_together(self) -> "Recipe":
+        self._estimator_fits()
         value = self.value
         if value.kind == "adapter" and self.policy.lora is None:
             raise _rule_error(

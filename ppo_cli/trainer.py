@@ -3,8 +3,10 @@
     for each update:
         rollout    sample prompts, generate, old/ref log-probs, old values, scores
         advantages per-token rewards = score on the last token - beta * KL; GAE; whiten
+                   (critic-free: per group of a prompt's completions, GRPO / RLOO / REINFORCE++)
         optimise   ppo_epochs x shuffled minibatches x micro-batches (grad accumulation):
                    clipped surrogate + vf_coef * clipped value loss - entropy_coef * entropy
+                   (critic-free: no value term; GRPO's + beta * k3 KL with ppo.kl_penalty loss)
         adapt      KL controller, LR schedule; log metrics
 """
 
@@ -19,10 +21,13 @@ from typing import Iterator
 import torch
 
 from ppo_cli.algo.advantages import compute_gae, shape_rewards
+from ppo_cli.algo.aggregation import aggregate_loss
+from ppo_cli.algo.group import group_normalized_advantages, group_reward_stats, rloo_advantages
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
-from ppo_cli.algo.masking import masked_mean, masked_whiten
+from ppo_cli.algo.masking import global_masked_mean_var, mask_truncated_completions, masked_mean, masked_whiten
+from ppo_cli.algo.reinforce import reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
 from ppo_cli.engine.actor_critic import PolicyAndValue
@@ -35,6 +40,8 @@ from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
 
+GRPO_EPS = 1e-4  # added to the std GRPO divides by (TRL's epsilon; verl's is 1e-6)
+
 # --- setup ---------------------------------------------------------------------------------------
 
 
@@ -46,10 +53,9 @@ def make_kl_controller(ppo: PPOConfig):
 
 def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
     ac = engine.actor_critic
-    groups = [
-        {"params": ac.policy_parameters(), "lr": optim.lr},
-        {"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)},
-    ]
+    groups = [{"params": ac.policy_parameters(), "lr": optim.lr}]
+    if ac.critic is not None:  # value.kind none: no second group (DeepSpeed and FSDP flatten each group)
+        groups.append({"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
     if optim.name != "adamw":
         import bitsandbytes as bnb
 
@@ -81,10 +87,16 @@ def make_scheduler(optimizer, optim: OptimConfig, total_updates: int):
 # --- phase 2: advantages -------------------------------------------------------------------------
 
 
-def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_sum=None) -> Advantages:
-    """``reduce_sum`` sums across processes, so whitening uses the global batch's statistics."""
+def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_sum=None,
+                       group_size: int = 1) -> Advantages:
+    """``reduce_sum`` sums across processes, so whitening uses the global batch's statistics.
+    ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations)."""
     mask = rollout.generation.response_mask
     kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~mask, 0.0)
+    if ppo.critic_free:
+        return critic_free_advantages(rollout, kl, 0.0 if ppo.kl_in_loss else kl_coef, ppo, reduce_sum, group_size)
+    if ppo.kl_in_loss:
+        kl_coef = 0.0
     rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
     if ppo.whiten_rewards:
         rewards = masked_whiten(rewards, mask, keep_mean=True, reduce_sum=reduce_sum)
@@ -92,6 +104,36 @@ def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_
     if ppo.whiten_advantages:
         advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
     return Advantages(rewards, non_score_rewards, kl, advantages, returns)
+
+
+def critic_free_advantages(rollout: Rollout, kl: torch.Tensor, kl_coef: float, ppo: PPOConfig, reduce_sum,
+                           group_size: int) -> Advantages:
+    """GRPO, RLOO (a sequence advantage on every response token) or REINFORCE++ (token returns).
+    ``kl_coef`` 0 when the KL goes into the loss instead. grpo and rloo subtract the KL summed over the
+    response from the score (TRL's RLOO: rlhf_reward = score - kl_coef * kl.sum); reinforce_pp puts it
+    on every token. Groups are whole on each process (train_step repeats prompts after splitting them),
+    so only reinforce_pp's whitening needs the other processes."""
+    mask = rollout.generation.response_mask
+    rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
+    if ppo.advantage == "reinforce_pp":
+        if group_size > 1:
+            advantages, returns = reinforce_plus_plus_baseline_advantages(
+                rollout.scores, kl, kl_coef, mask, group_size, ppo.gamma, reduce_sum)
+        else:
+            advantages, returns = reinforce_plus_plus_advantages(rollout.scores, kl, kl_coef, mask, ppo.gamma, reduce_sum)
+        return Advantages(rewards, non_score_rewards, kl, advantages, returns)
+    sequence_rewards = rollout.scores + non_score_rewards.sum(dim=1)
+    if ppo.advantage == "grpo" and ppo.scale_rewards == "batch" and reduce_sum is not None:
+        # the std of every process's scores (TRL gathers them); a constant group stays exactly 0
+        centred = group_normalized_advantages(sequence_rewards, group_size, "none")
+        _, var = global_masked_mean_var(sequence_rewards.unsqueeze(1), torch.ones_like(mask[:, :1]), reduce_sum)
+        sequence = centred / (var.sqrt() + GRPO_EPS)
+    elif ppo.advantage == "grpo":
+        sequence = group_normalized_advantages(sequence_rewards, group_size, ppo.scale_rewards, GRPO_EPS)
+    else:
+        sequence = rloo_advantages(sequence_rewards, group_size)
+    advantages = (sequence.unsqueeze(1) * mask).to(rewards.dtype)
+    return Advantages(rewards, non_score_rewards, kl, advantages, advantages)
 
 
 # --- phase 3: optimise ---------------------------------------------------------------------------
@@ -128,19 +170,34 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
                                  None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
+    loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
     weights = None
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
         weights = truncated_is_weights(rollout.logprobs[rows, :T], rollout.sampler_logprobs[rows, :T], mask,
                                        ppo.rollout_is_clip)
-    policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], mask, ppo.cliprange,
-                                 token_weights=weights)
-    value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
+    max_len = state.recipe.generation.max_new_tokens
+    policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], loss_mask,
+                                 ppo.cliprange, token_weights=weights, cliprange_high=ppo.cliprange_high,
+                                 ratio_level=ppo.ratio_level, loss_agg_mode=ppo.loss_aggregation,
+                                 max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         entropy = masked_mean(entropy_from_logits(logits), mask)
-    loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
+    if values is None:  # value.kind none
+        loss = policy.loss - ppo.entropy_coef * entropy
+    else:
+        value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
+        loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
+        stats.add(value_loss=value.loss, value_clipfrac=value.clipfrac)
+    if ppo.kl_in_loss:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
+        # Padding zeroed before the exp: exp(ref - logprob) of a padding token can overflow, and its
+        # inf would reach the gradient as 0 * inf = NaN through a where() after it.
+        ref_kl = kl_penalty(torch.where(loss_mask, logprobs, 0), torch.where(loss_mask, rollout.ref_logprobs[rows, :T], 0), "k3")
+        kl_loss = aggregate_loss(ref_kl, loss_mask, ppo.loss_aggregation, max_len)
+        loss = loss + state.kl_controller.value * kl_loss
+        stats.add(kl_loss=kl_loss)
     stats.add(
-        policy_loss=policy.loss, value_loss=value.loss, approx_kl=policy.approx_kl, clipfrac=policy.clipfrac,
-        ratio=policy.ratio_mean, value_clipfrac=value.clipfrac, entropy=entropy,
+        policy_loss=policy.loss, approx_kl=policy.approx_kl, clipfrac=policy.clipfrac, ratio=policy.ratio_mean,
+        clipfrac_low=policy.clipfrac_low, clipfrac_high=policy.clipfrac_high, entropy=entropy,
     )
     return loss
 
@@ -223,13 +280,14 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
 # --- metrics -------------------------------------------------------------------------------------
 
 
-def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Distributed) -> dict[str, float]:
+def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Distributed,
+                    group_size: int = 1) -> dict[str, float]:
     """TRL's objective/* names: sums over response tokens, means over the episodes of all processes."""
     mask = rollout.generation.response_mask
     scores = dist.gather(rollout.scores)
     kl_sum = dist.gather(adv.kl.sum(dim=1))
     non_score = dist.gather(adv.non_score_rewards.sum(dim=1))
-    values, returns, all_mask = dist.gather(rollout.values), dist.gather(adv.returns), dist.gather(mask)
+    all_mask = dist.gather(mask)
     responses = [r for part in dist.gather_objects(rollout.responses) for r in part]
     metrics = {
         "objective/kl": kl_sum.mean().item(),
@@ -239,13 +297,20 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         "objective/scores": scores.mean().item(),
         "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
         "objective/kl_coef": kl_coef,
-        "val/explained_variance": float(explained_variance(values, returns, all_mask)),
-        "val/mean": masked_mean(values, all_mask).item(),
         "eos_rate": dist.gather(rollout.generation.finished.float()).mean().item(),
         "response_length": dist.gather(mask.sum(dim=1).float()).mean().item(),
         "samples/distinct_1": distinct_n(responses, 1),
         "samples/distinct_2": distinct_n(responses, 2),
     }
+    if rollout.values is not None:
+        values, returns = dist.gather(rollout.values), dist.gather(adv.returns)
+        metrics["val/explained_variance"] = float(explained_variance(values, returns, all_mask))
+        metrics["val/mean"] = masked_mean(values, all_mask).item()
+    if group_size > 1:
+        # TRL's names. A group whose completions all score the same gives them all advantage 0 (grpo, rloo).
+        group_std = dist.gather(group_reward_stats(rollout.scores, group_size).group_std)
+        metrics["reward_std"] = group_std.mean().item()
+        metrics["frac_reward_zero_std"] = (group_std == 0).float().mean().item()
     if rollout.sampler_logprobs is not None:
         # How far the sampler's (vLLM's) distribution is from the policy's own forward, per token.
         diff = dist.gather((rollout.logprobs - rollout.sampler_logprobs).abs())[all_mask]
@@ -261,10 +326,11 @@ def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
     metrics = {
         "policy/approxkl_avg": dist.mean_of(stats.mean("approx_kl")),
         "policy/clipfrac_avg": dist.mean_of(stats.mean("clipfrac")),
+        # by direction (TRL's clip_ratio/low_mean, high_mean): ratio below 1 - eps on A < 0, above 1 + eps_high on A > 0
+        "policy/clipfrac_low": dist.mean_of(stats.mean("clipfrac_low")),
+        "policy/clipfrac_high": dist.mean_of(stats.mean("clipfrac_high")),
         "policy/entropy_avg": dist.mean_of(stats.mean("entropy")),
         "loss/policy_avg": dist.mean_of(stats.mean("policy_loss")),
-        "loss/value_avg": dist.mean_of(stats.mean("value_loss")),
-        "val/clipfrac_avg": dist.mean_of(stats.mean("value_clipfrac")),
         "val/ratio": dist.mean_of(stats.mean("ratio")),
         # Before the first optimizer step the policy is the rollout policy, so this is 1 up to numerics;
         # far from 1 means rollout and update compute log-probs differently (e.g. a missing temperature).
@@ -272,6 +338,11 @@ def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
         "ppo/epochs_run": stats.epochs_run,
         "ppo/skipped_steps": stats.skipped_steps,
     }
+    if "value_loss" in stats.values:  # a critic trained
+        metrics["loss/value_avg"] = dist.mean_of(stats.mean("value_loss"))
+        metrics["val/clipfrac_avg"] = dist.mean_of(stats.mean("value_clipfrac"))
+    if "kl_loss" in stats.values:  # ppo.kl_penalty loss: the k3 term before kl_coef
+        metrics["loss/kl_avg"] = dist.mean_of(stats.mean("kl_loss"))
     if stats.grad_norms:
         metrics["policy/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
     return metrics
@@ -321,21 +392,28 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     )
 
 
+def process_prompts(sampler: PromptSampler, size: int, rank: int, world_size: int, group_size: int) -> list:
+    """This process's episodes' prompts: every process draws the same global batch of ``size`` x
+    ``world_size`` prompts and keeps its own slice (no prompt is seen twice), then repeats each prompt
+    ``group_size`` times in a row, so a prompt's group is whole on one process: [p0 x G, p1 x G, ...]."""
+    prompts = sampler.next_batch(size * world_size)[rank * size : (rank + 1) * size]
+    return [prompt for prompt in prompts for _ in range(group_size)]
+
+
 def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     """One PPO update: rollout -> advantages -> optimise -> adapt. Returns its metrics."""
     recipe, engine = state.recipe, state.engine
     started = time.perf_counter()
 
-    # Every process draws the same global batch and keeps its own slice: no prompt is seen twice.
-    size, dist = recipe.ppo.rollout_batch_size, state.dist
+    dist, G = state.dist, recipe.generation.num_generations
     enter_phase("rollout")
-    prompts = state.sampler.next_batch(size * dist.world_size)[dist.rank * size : (dist.rank + 1) * size]
+    prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
     with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
         rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
 
     kl_coef = state.kl_controller.value
-    adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None)
+    adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     skip_reason = find_non_finite(rollout, adv)
     if dist.any(skip_reason is not None):  # every process must skip together
@@ -346,7 +424,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
 
-    metrics = rollout_metrics(rollout, adv, kl_coef, dist)
+    metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
     metrics["skipped"] = int(skip_reason is not None)
@@ -357,7 +435,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         metrics["skip_reason"] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
     metrics["lr"] = state.optimizer.param_groups[0]["lr"]
-    metrics["value_lr"] = state.optimizer.param_groups[1]["lr"]
+    if state.engine.actor_critic.critic is not None:
+        metrics["value_lr"] = state.optimizer.param_groups[1]["lr"]
     state.scheduler.step()
     state.step += 1
     state.episodes += len(prompts)
@@ -416,9 +495,10 @@ LIKELY_CAUSES = {
 def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
     """The first non-finite quantity of a rollout, by name, or None when all are finite."""
     mask = rollout.generation.response_mask
+    values = rollout.values[mask] if rollout.values is not None else torch.zeros(0)
     checks = (
         ("non-finite rewards", rollout.scores),
-        ("non-finite values", rollout.values[mask]),
+        ("non-finite values", values),
         ("non-finite log-probs", torch.cat([rollout.logprobs[mask], rollout.ref_logprobs[mask]])),
         ("non-finite advantages", adv.advantages[mask]),
     )

@@ -41,7 +41,7 @@ class Rollout(NamedTuple):
     responses: list[str]
     logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
-    values: torch.Tensor  # (B, T) V_old(state before each response token)
+    values: torch.Tensor | None  # (B, T) V_old(state before each response token); None without a critic
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties
     score_components: dict[str, list[float]]  # component name -> per-episode value (penalties included)
     fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update
@@ -52,5 +52,5 @@ class Advantages(NamedTuple):
     rewards: torch.Tensor  # (B, T) shaped: -beta*KL per token + score on the last real token
     non_score_rewards: torch.Tensor  # (B, T) the -beta*KL part alone
     kl: torch.Tensor  # (B, T) per-token KL estimate to the reference
-    advantages: torch.Tensor  # (B, T) GAE, whitened if asked, 0 outside response_mask
-    returns: torch.Tensor  # (B, T) raw advantages + values: the value targets
+    advantages: torch.Tensor  # (B, T) GAE, whitened if asked (or a critic-free estimator's), 0 outside response_mask
+    returns: torch.Tensor  # (B, T) raw advantages + values: the value targets (critic-free: the raw advantages)

@@ -93,6 +93,14 @@ def test_model_card_of_a_full_finetune_without_eval_prompts():
     assert "no before/after numbers" in card and "PeftModel" not in card
 
 
+def test_model_card_of_a_critic_free_run_names_the_estimator_and_no_critic():
+    info = {"policy_path": "gpt2", "lora": True, "step": 3, "value_kind": "none", "advantage": "grpo"}
+    card = render_model_card(info, "name: x\n")
+    assert "A LoRA adapter (peft) trained with GRPO (RLHF, no critic) by ppo_cli for 3 updates" in card
+    assert "critic/" not in card
+    assert "trained with PPO (RLHF)" in render_model_card({**info, "advantage": "gae", "value_kind": "head"}, "name: x\n")
+
+
 # --- final/ written from real models ---------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ def test_value_kinds_in_the_schema_are_the_critic_classes():
 
 
 def test_value_kind_accepts_auto_and_each_critic_kind():
-    assert get_args(ValueConfig.model_fields["kind"].annotation) == ("auto", "adapter", "head", "model")
+    assert get_args(ValueConfig.model_fields["kind"].annotation) == ("auto", "adapter", "head", "model", "none")
 
 
 def test_reward_types_in_the_schema_are_the_scorers():

@@ -68,6 +68,7 @@ RULE_CASES = {
     "reward_hacking": ({"objective__scores": lambda s: 0.3 * s + jitter(s), "samples__distinct_1": lambda s: 0.7 * 0.95 ** s}, 15),
     "eos_stuck": ({"eos_rate": lambda s: 0.0}, 10),
     "ratio_mismatch": ({"val__ratio_first_minibatch": lambda s: 0.7 + jitter(s)}, 3),
+    "groups_without_signal": ({"frac_reward_zero_std": lambda s: 0.75 + jitter(s, 0.1)}, 10),
 }
 
 
@@ -83,6 +84,14 @@ def test_each_rule_fires_on_its_pattern_and_no_other_rule_does(rule_id):
     first = next(w for w in raised if w.rule == rule_id)
     assert first.step <= by_step and first.since == first.step
     assert first.message and first.cause and first.fix and math.isfinite(first.value) or rule_id == "value_loss_rising"
+
+
+def test_groups_without_signal_names_the_fraction_and_stays_quiet_at_half():
+    _, raised = run_stream(10, frac_reward_zero_std=lambda s: 0.8)
+    assert [w.message for w in raised] == [
+        "80% of the prompt groups scored all their completions the same over the last 10 updates (above 0.5)"]
+    assert "generation.num_generations" in raised[0].fix and "generation.temperature" in raised[0].fix
+    assert run_stream(40, frac_reward_zero_std=lambda s: 0.5)[1] == []  # half the groups still teach
 
 
 def test_rule_is_quiet_before_its_window_is_full():

@@ -157,6 +157,18 @@ def test_frozen_value_model_costs_its_weights_and_a_trained_head_only(model_dir)
     assert ("value", "activations (update)") not in p  # a frozen forward keeps nothing for the backward
 
 
+def test_no_critic_counts_nothing_for_the_value(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    with_head = estimate(settings(), shape, None, [])
+    est = estimate(settings(value_kind="none"), shape, None, [])
+    assert [line for line in est.lines if line.role == "value"] == []
+    assert with_head.total_gb * GB - est.total_gb * GB == pytest.approx(17 * 4 + 3 * 17 * 4)  # the head, its grads + AdamW
+    s = settings(value_kind="none", lora=None, reference="copy")
+    fixes = suggestions(s, {"policy": shape, "value": None, "rewards": []}, budget_gb=0.0)
+    assert fixes[0].overrides == ["policy.lora={r: 16}"]  # no critic to offer a head for
+    assert not any("value.kind=head" in f.overrides for f in fixes)
+
+
 @pytest.mark.slow
 def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
     from ppo_cli.memory import settings_from_recipe

@@ -68,7 +68,7 @@ def error(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeErro
 def test_load_recipe_base_is_valid(tmp_path):
     recipe = load_recipe(write(tmp_path, BASE))
     assert recipe.name == "demo"
-    assert recipe.ppo.num_mini_batches == 2
+    assert recipe.num_mini_batches == 2
     assert recipe.ppo.grad_accum_steps == 2
     assert value_kind(recipe) == "head"  # auto, no reward model to start a critic from
     assert recipe.run_dir == Path("runs") / "demo"

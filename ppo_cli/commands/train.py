@@ -363,7 +363,7 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
     info = {
         "name": recipe.name, "policy_path": recipe.policy.path, "policy_adapter": recipe.policy.adapter,
         "lora": recipe.policy.lora is not None, "value_kind": engine.actor_critic.value_kind,
-        "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
+        "advantage": recipe.ppo.advantage, "step": state.step, "trust_remote_code": recipe.policy.trust_remote_code,
         "mixed_precision": state.dist.mixed_precision,
     }
     card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])

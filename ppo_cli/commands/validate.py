@@ -16,7 +16,7 @@ class ValidateResult:
     run_dir: Path
     num_mini_batches: int  # optimizer steps per PPO epoch
     grad_accum_steps: int  # micro-batches per optimizer step
-    value_kind: str  # 'auto' resolved: adapter / head / model
+    value_kind: str  # 'auto' resolved: adapter / head / model / none
 
     @property
     def summary(self) -> str:
@@ -84,7 +84,7 @@ def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:
     return ValidateResult(
         resolved_yaml=dump_resolved(recipe),
         run_dir=recipe.run_dir,
-        num_mini_batches=recipe.ppo.num_mini_batches,
+        num_mini_batches=recipe.num_mini_batches,
         grad_accum_steps=recipe.ppo.grad_accum_steps,
         value_kind=value_kind(recipe),
     )

@@ -76,7 +76,7 @@ class ActorCritic(nn.Module):
             yield
 
     def default_value_lr(self, policy_lr: float) -> float:
-        return self.critic.default_lr(self, policy_lr)
+        return policy_lr if self.critic is None else self.critic.default_lr(self, policy_lr)
 
     @property
     def value_features_fixed(self) -> bool:
@@ -147,8 +147,11 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     critic = CRITICS[value_kind(recipe)]()
     value_backbone, hidden, init_from = critic.build(recipe, policy, device, loaded or {}, common)
     torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
-    model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
-                        head_trains_backbone=bool(recipe.value.train_backbone))
+    if hidden is None:  # value.kind none: no critic, no head
+        model = ActorCritic(policy, None, None, None, ref_model)
+    else:
+        model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
+                            head_trains_backbone=bool(recipe.value.train_backbone))
     model.use_adapter(POLICY_ADAPTER)
     return model
 
@@ -210,7 +213,7 @@ def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids,
 
 
 class PolicyAndValue(nn.Module):
-    """The update's forward as one module call, (logits (B, T, V), values (B, T)).
+    """The update's forward as one module call, (logits (B, T, V), values (B, T) or None without a critic).
 
     One call per backward, so a DDP or DeepSpeed wrapper from ``accelerator.prepare`` sees every
     trainable parameter used and synchronises the gradients (TRL's PolicyAndValueWrapper).
@@ -235,6 +238,6 @@ class PolicyAndValue(nn.Module):
         logits, values = policy_forward(ac, sequences, attention_mask, response_len, temperature)
         if values is None and fixed_value_features is not None:
             values = values_from_hidden(ac, fixed_value_features)
-        elif values is None:
+        elif values is None and ac.critic is not None:
             values = value_forward(ac, sequences, attention_mask, response_len)
         return logits, values

@@ -234,4 +234,20 @@ class ModelCritic(Critic):
         return CriticMemory(static, update, value.total_params + head, DTYPE_BYTES[s.value_dtype])
 
 
-CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, HeadCritic, ModelCritic)}
+class NoCritic(Critic):
+    """value.kind none, for the critic-free estimators (ppo.advantage grpo, rloo, reinforce_pp): the
+    ActorCritic then holds no critic at all (critic None, no head), so nothing is built, trained,
+    saved or loaded, and the loss has no value term."""
+
+    kind = "none"
+
+    @classmethod
+    def build(cls, recipe, policy, device, loaded, common):
+        return None, None, None
+
+    @staticmethod
+    def memory(s, policy, value, lora):
+        return CriticMemory([], [], 0, 4.0)
+
+
+CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, HeadCritic, ModelCritic, NoCritic)}

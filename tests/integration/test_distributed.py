@@ -106,3 +106,20 @@ def test_resume_with_two_processes_continues_exactly(two_process_run, tiny_model
             if isinstance(value, (int, float)) and not is_wall_clock(key):
                 assert got[key] == pytest.approx(value, abs=1e-6), (got["step"], key)
 
+
+
+def test_grpo_with_two_processes_keeps_each_group_whole_on_one_process(tiny_models, tmp_path):
+    result = _train(tiny_models, tmp_path, **{"ppo.advantage": "grpo", "generation.num_generations": 2,
+                                              "value.kind": "none", "train.total_updates": 2, "train.save_every": 0})
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = {rank: _reward_calls(tmp_path, rank)[0] for rank in (0, 1)}
+    assert len(calls[0]) == len(calls[1]) == 2
+    for mine, theirs in zip(calls[0], calls[1]):
+        assert len(mine) == len(theirs) == 8  # 4 prompts x 2 completions on each process
+        for episodes in (mine, theirs):
+            assert episodes[0::2] == episodes[1::2]  # each prompt twice in a row: its group
+        assert not set(mine) & set(theirs)
+    metrics = _metrics(tmp_path / "tiny-sentiment")
+    assert metrics[-1]["episode"] == 2 * 8 * 2  # updates x episodes per process x processes
+    assert 0.0 <= metrics[-1]["frac_reward_zero_std"] <= 1.0
+    assert not (tmp_path / "tiny-sentiment" / "final" / "critic").exists()

@@ -1,0 +1,89 @@
+"""ppo.advantage's critic-free estimators in the schema: the critic they resolve to, the batch sizes
+they count in episodes, and each refusal as one exact line."""
+
+from __future__ import annotations
+
+from ppo_cli.auto import value_kind
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
+from tests.test_recipe import BASE, error, variant, write
+
+GRPO = ["ppo.advantage=grpo", "generation.num_generations=4"]
+
+
+def test_critic_free_estimators_resolve_auto_to_no_critic(tmp_path):
+    path = write(tmp_path, BASE)
+    assert value_kind(load_recipe(path)) == "head"  # gae keeps its critic
+    for advantage in ("grpo", "rloo", "reinforce_pp"):
+        recipe = load_recipe(path, [f"ppo.advantage={advantage}", "generation.num_generations=4"])
+        assert value_kind(recipe) == "none"
+    assert value_kind(load_recipe(path, ["ppo.advantage=grpo", "generation.num_generations=2", "value.kind=none"])) == "none"
+
+
+def test_kl_penalty_auto_is_the_loss_for_grpo_only(tmp_path):
+    path = write(tmp_path, BASE)
+    assert load_recipe(path, GRPO).ppo.kl_in_loss
+    assert not load_recipe(path, ["ppo.advantage=rloo", "generation.num_generations=4"]).ppo.kl_in_loss
+    assert not load_recipe(path).ppo.kl_in_loss
+    assert not load_recipe(path, [*GRPO, "ppo.kl_penalty=reward"]).ppo.kl_in_loss
+    assert load_recipe(path, ["ppo.kl_penalty=loss"]).ppo.kl_in_loss
+
+
+def test_mini_batches_count_episodes(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["ppo.advantage=grpo", "generation.num_generations=3"])
+    assert recipe.episodes_per_update == 24  # 8 prompts x 3
+    assert recipe.num_mini_batches == 6  # 24 / 4
+    assert recipe.ppo.grad_accum_steps == 2
+
+
+def test_group_estimators_refuse_one_completion_per_prompt(tmp_path):
+    path = write(tmp_path, BASE)
+    for advantage in ("grpo", "rloo"):
+        err = error(path, [f"ppo.advantage={advantage}"])
+        assert err.message == (f"--set ppo.advantage: '{advantage}' compares the completions of a prompt and needs "
+                               "generation.num_generations >= 2, got 1")
+        assert err.hint == "set `generation.num_generations: 4` (or more), or `ppo.advantage: reinforce_pp` or `gae`"
+    load_recipe(path, ["ppo.advantage=reinforce_pp"])  # REINFORCE++ needs no group
+
+
+def test_no_critic_with_gae_is_refused(tmp_path):
+    err = error(variant(tmp_path, "data:\n", "value:\n  kind: none\ndata:\n"))
+    assert err.message.endswith("recipe.yaml:11: value.kind: 'none' leaves ppo.advantage 'gae' without the values it needs")
+    assert err.hint == "set `value.kind: auto` (a critic), or a critic-free `ppo.advantage`: grpo, rloo or reinforce_pp"
+
+
+def test_a_critic_with_a_critic_free_estimator_is_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    err = error(path, [*GRPO, "value.kind=head"])
+    assert err.message == "--set value.kind: a 'head' critic would be trained for nothing: ppo.advantage 'grpo' uses no values"
+    assert err.hint == "set `value.kind: none` (or auto) and remove the other value.* keys, or `ppo.advantage: gae`"
+    err = error(path, [*GRPO, "value.train_backbone=true"])
+    assert err.message == "--set value.train_backbone: configures a critic, but ppo.advantage 'grpo' has none"
+    assert err.hint == "remove `value.train_backbone`, or set `ppo.advantage: gae`"
+
+
+def test_episodes_that_do_not_divide_into_mini_batches(tmp_path):
+    path = variant(tmp_path, "  rollout_batch_size: 8\n", "  rollout_batch_size: 3\n")
+    err = error(path, GRPO[:1] + ["generation.num_generations=3"])
+    assert err.message.endswith(
+        "recipe.yaml:14: ppo.mini_batch_size: rollout_batch_size x generation.num_generations (3 x 3 = 9 episodes) must "
+        "be a multiple of mini_batch_size (4): mini- and micro-batches count episodes (completions), not prompts")
+    assert err.hint.endswith("mini_batch_size divides rollout_batch_size x num_generations")
+    load_recipe(path, GRPO)  # 3 x 4 = 12 episodes: 3 mini-batches of 4
+
+
+def test_scale_rewards_is_for_grpo_only(tmp_path):
+    err = error(write(tmp_path, BASE), ["ppo.advantage=rloo", "generation.num_generations=4", "ppo.scale_rewards=none"])
+    assert err.message == "--set ppo.scale_rewards: only used with ppo.advantage 'grpo', but it is 'rloo'"
+    assert err.hint == "remove `ppo.scale_rewards` or set `ppo.advantage: grpo`"
+
+
+def test_gae_only_keys_are_refused_with_a_critic_free_estimator(tmp_path):
+    err = error(write(tmp_path, BASE), [*GRPO, "ppo.whiten_rewards=true"])
+    assert err.message == "--set ppo.whiten_rewards: only used with ppo.advantage 'gae' (a critic), but it is 'grpo'"
+    assert err.hint == "remove `ppo.whiten_rewards`, or set `ppo.advantage: gae`"
+
+
+def test_a_resolved_critic_free_recipe_reads_back_equal(tmp_path):
+    """The run's recipe.yaml writes every default (value.init_from, ppo.vf_coef, ...): it must load again."""
+    recipe = load_recipe(write(tmp_path, BASE), [*GRPO, "ppo.scale_rewards=none"])
+    assert load_recipe(write(tmp_path, dump_resolved(recipe), "resolved.yaml")) == recipe
