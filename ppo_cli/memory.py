@@ -180,7 +180,7 @@ class Line:
     part: str
     gb: float
     how: str
-    phase: str = "static"  # static | update | rollout | runtime | load
+    phase: str = "static"  # static | update | rollout | runtime
 
 
 @dataclass
@@ -188,19 +188,14 @@ class Estimate:
     lines: list[Line]
     update_gb: float  # the update's transient peak (activations, logits)
     rollout_gb: float  # the rollout's transient peak (KV cache, no-grad forwards)
-    load_gb: float = 0.0  # the peak while loading, before training starts (several processes only)
 
     @property
     def static_gb(self) -> float:
         return sum(l.gb for l in self.lines if l.phase in ("static", "runtime"))
 
     @property
-    def training_gb(self) -> float:
-        return self.static_gb + max(self.update_gb, self.rollout_gb)
-
-    @property
     def total_gb(self) -> float:
-        return max(self.training_gb, self.load_gb)
+        return self.static_gb + max(self.update_gb, self.rollout_gb)
 
 
 def activation_floats_per_token_layer(shape: ModelShape, trains_weights: bool, lora_r: int, seq_len: int) -> float:
@@ -299,29 +294,8 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
                    "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
                    "runtime")
-    load = loading(s, lines, runtime)
     lines, update, rollout = shard(s, policy, lines, update, rollout)
-    return Estimate(lines + update + rollout + [runtime] + load, sum(l.gb for l in update),
-                    sum(l.gb for l in rollout), sum(l.gb for l in load))
-
-
-def loading(s: Settings, lines: list[Line], runtime: Line) -> list[Line]:
-    """The loading peak of each of several processes (measured at the 0.5B shape, docs/benchmarks.md).
-
-    One process maps each checkpoint and reads its pages as the weights are used. Once torch.distributed
-    is initialised, from_pretrained copies every tensor out of the mapped file, whose pages stay
-    resident until the model is loaded: the largest model counts twice for that moment. Every model
-    is loaded whole, FSDP's policy included (prepare() shards it afterwards and, on CPU, the freed
-    whole weights go back to the kernel)."""
-    if s.processes == 1:
-        return []
-    weights = [l for l in lines if l.part == "weights" or l.part.startswith("weights (")]
-    whole = sum(l.gb for l in weights)
-    largest = max((l.gb for l in weights), default=0.0)
-    return [Line("load", "every model whole, as loaded", whole + runtime.gb,
-                 "the weights above before any sharding, + the process", "load"),
-            Line("load", "largest checkpoint's pages while copied", largest,
-                 "from_pretrained copies each tensor out of the mapped file (several processes)", "load")]
+    return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
 
 
 # What each sharding splits across the processes, by (role, part); the rest stays whole on every process.

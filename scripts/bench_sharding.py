@@ -36,6 +36,10 @@ def _rank_main(out_dir: str, argv: list[str]) -> None:
 
     if os.environ.get("BENCH_PHASES"):
         _trace_phases()
+    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (engine/session.py's switch)
+        import ppo_cli.engine.session as session
+
+        session.CPU_MALLOC_TUNING = False
     code = 0
     try:
         sys.argv = ["ppo", *argv]

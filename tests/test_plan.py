@@ -104,7 +104,7 @@ def test_lora_estimate_parts(model_dir):
     assert p["policy", "logits (update)"] == pytest.approx(3 * 2 * 4 * 100 * 4)  # 3 copies of B x T x V, float32
     # KV cache: 2 (k, v) x 2 layers x 2 KV heads x head dim 4 x rollout batch 4 x 10 tokens x 4 B
     assert p["rollout", "KV cache"] == pytest.approx(2 * 2 * 2 * 4 * 4 * 10 * 4)
-    static = sum(v for (role, part), v in p.items() if "update" not in part and role not in ("rollout", "load"))
+    static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
     assert est.total_gb * GB == pytest.approx(static + max(est.update_gb, est.rollout_gb) * GB)
 
 
@@ -232,8 +232,7 @@ def test_zero2_splits_gradients_and_adamw_states_of_what_trains_only(model_dir):
     reward = describe_model(str(model_dir), "classifier")
     one = parts(estimate(full_finetune(), shape, None, [reward]))
     ddp = parts(estimate(full_finetune(processes=4), shape, None, [reward]))
-    # DDP: every process holds everything; several processes add the loading peak (next test).
-    assert {k: v for k, v in ddp.items() if k[0] != "load"} == one
+    assert ddp == one  # DDP: every process holds everything
     z2 = parts(estimate(full_finetune(processes=4, sharding="zero2"), shape, None, [reward]))
     assert z2["policy", "gradients"] == pytest.approx(TOTAL * 4 / 4)
     assert z2["policy", "AdamW states"] == pytest.approx(2 * TOTAL * 4 / 4)
@@ -257,7 +256,7 @@ def test_zero3_and_fsdp_also_split_the_policy_and_gather_it_to_generate(model_di
     assert p["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 4 * 3 / 4)
     assert p["policy", "one layer gathered (update)"] == pytest.approx(TOTAL * 4 / 2)  # 2 layers
     # 6352 x 4 B x (1/4 weights + 1/4 gradients + 2/4 AdamW) + head (17 x 4 + 17 x 12) / 4 + reference + reward
-    static = sum(v for (role, part), v in p.items() if "update" not in part and role not in ("rollout", "load"))
+    static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
     assert static == pytest.approx(TOTAL * 4 * (1 + 1 + 2) / 4 + 17 * 16 / 4 + TOTAL * 4 + reward.total_params * 4
                                    + RUNTIME_GB["cpu"] * GB)
 
@@ -271,20 +270,6 @@ def test_fsdp_per_block_rollout_gathers_what_no_block_holds_and_one_block(model_
     # ZeRO-3 (DeepSpeed's gather for generation) has no per-block rollout.
     z3 = parts(estimate(full_finetune(processes=4, sharding="zero3", fsdp_per_block=True), shape, None, [reward]))
     assert z3["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 4 * 3 / 4)
-
-
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_several_processes_load_every_model_whole_and_copy_the_largest_once_more(model_dir, sharding):
-    shape = describe_model(str(model_dir), "causal_lm")
-    reward = describe_model(str(model_dir), "classifier")
-    one = estimate(settings(), shape, None, [reward])
-    assert one.load_gb == 0  # one process reads the mapped checkpoints as it goes
-    est = estimate(settings(processes=2, sharding=sharding), shape, None, [reward])
-    # Before prepare() shards anything: the checkpoints' weights, policy 6352 x 4 B + reward x 4 B, + the
-    # process, and the largest checkpoint (the policy's 6352 x 4 B) once more while it is copied.
-    whole = TOTAL * 4 + reward.total_params * 4 + RUNTIME_GB["cpu"] * GB
-    assert est.load_gb * GB == pytest.approx(whole + max(TOTAL, reward.total_params) * 4)
-    assert est.total_gb == max(est.load_gb, est.training_gb)
 
 
 def test_a_quantized_policy_base_stays_whole_under_zero3(model_dir):

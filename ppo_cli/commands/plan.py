@@ -139,9 +139,7 @@ def render(result: PlanResult):
              f"{s.response_tokens} response tokens); rollout batch {s.rollout_batch}"),
         *([Text(result.precision)] if result.precision else []),
         Text(f"peak = static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, rollout {est.rollout_gb:.2f}) "
-             f"= {est.total_gb:.2f} GB", style="bold") if not est.load_gb else
-        Text(f"peak = max(loading {est.load_gb:.2f}, static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, "
-             f"rollout {est.rollout_gb:.2f})) = {est.total_gb:.2f} GB", style="bold"),
+             f"= {est.total_gb:.2f} GB", style="bold"),
     ]
     if result.budget_gb is not None:
         verdict = "fits" if result.fits else "does NOT fit"
