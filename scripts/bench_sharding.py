@@ -11,7 +11,9 @@ the two processes' peaks, their ratio FSDP / DDP, and the rollout seconds per up
 both updates, of rank 0; wall-clock, so only comparable within one quiet run). Models: the tiny review LM
 (PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python scripts/bench_vs_trl.py models`
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
-LoRA needs about 2 x 6 GB. Never imported by ppo_cli or its tests.
+LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
+each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
+own trimming on (engine/session.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
