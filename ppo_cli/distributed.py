@@ -173,7 +173,12 @@ class ShardingMixin:
         if not self.shards_parameters:
             return self.accelerator.prepare(model, optimizer)
         with without_frozen_models(model):
-            return self.accelerator.prepare(model, optimizer)
+            prepared = self.accelerator.prepare(model, optimizer)
+        if self.device.type == "cpu":
+            from ppo_cli.engine.session import release_freed_memory
+
+            release_freed_memory()  # the whole weights each process loaded, now sharded
+        return prepared
 
     def full_parameters(self, model: torch.nn.Module):
         """A context (entered by every process) in which ``model``'s parameters are whole on each

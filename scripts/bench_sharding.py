@@ -11,7 +11,9 @@ the two processes' peaks, their ratio FSDP / DDP, and the rollout seconds per up
 both updates, of rank 0; wall-clock, so only comparable within one quiet run). Models: the tiny review LM
 (PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python scripts/bench_vs_trl.py models`
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
-LoRA needs about 2 x 6 GB. Never imported by ppo_cli or its tests.
+LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
+each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
+own trimming on (engine/session.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def _rank_main(out_dir: str, argv: list[str]) -> None:
     """One training process: `ppo ...argv`, then this process's peak RSS into out_dir/rank<N>.json."""
     from ppo_cli.cli import main
 
+    if os.environ.get("BENCH_PHASES"):
+        _trace_phases()
+    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (engine/session.py's switch)
+        import ppo_cli.engine.session as session
+
+        session.CPU_MALLOC_TUNING = False
     code = 0
     try:
         sys.argv = ["ppo", *argv]
@@ -44,6 +52,37 @@ def _rank_main(out_dir: str, argv: list[str]) -> None:
     rank = os.environ.get("RANK", "0")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_rss_gb": peak_gb, "exit": code}))
     sys.exit(code)
+
+
+def _trace_phases() -> None:
+    """Print this process's resident and peak memory after each phase (BENCH_PHASES=1)."""
+    import functools
+
+    import ppo_cli.commands.train as train_cmd
+    import ppo_cli.engine.session as session
+    import ppo_cli.trainer as trainer
+    import ppo_cli.checkpoint as checkpoint
+
+    def rss() -> str:
+        current = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        return f"rss {current:.2f} GB, peak {peak:.2f} GB"
+
+    def traced(module, name):
+        inner = getattr(module, name)
+
+        @functools.wraps(inner)
+        def wrapper(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            print(f"[rank {os.environ.get('RANK', '0')}] after {name}: {rss()}", file=sys.stderr, flush=True)
+            return out
+
+        setattr(module, name, wrapper)
+
+    for module, name in ((session, "load_engine"), (trainer, "init_state"), (trainer, "train_step"),
+                         (train_cmd, "_evaluate_before"), (train_cmd, "evaluate"), (train_cmd, "_finish"),
+                         (checkpoint, "gathered_model_state")):
+        traced(module, name)
 
 
 def _free_port() -> int:
@@ -92,6 +131,8 @@ def measure(shape: str, strategy: str, mode: str) -> tuple[list[float], float]:
         args = [*launcher, __file__, "_rank", tmp, "train", str(recipe), *_settings(shape, mode, Path(tmp) / "runs"),
                 *rollout]
         result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        if os.environ.get("BENCH_PHASES"):
+            print("\n".join(line for line in result.stderr.splitlines() if "] after " in line), flush=True)
         if result.returncode != 0:
             sys.exit(f"{shape} {strategy} {mode} failed:\n{result.stderr[-3000:]}")
         metrics = [json.loads(line) for line in next(Path(tmp, "runs").glob("*/metrics.jsonl")).read_text().splitlines()]

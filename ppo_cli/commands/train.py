@@ -6,6 +6,8 @@ function, output directory, checkpoint to resume) runs before the first model is
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import random
@@ -452,6 +454,12 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
             watchdog.stop()
 
 
+def _gathered_for_evaluation(dist, model, eval_prompts: list[str]):
+    """dist.full_parameters for the evaluation (every process gathers and evaluates its share), or
+    nothing without eval prompts: under FSDP the gather would hold the whole policy for nothing."""
+    return dist.full_parameters(model) if eval_prompts else contextlib.nullcontext()
+
+
 def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite: bool,
                    merge: bool) -> TrainResult:
     """run() from the process group on: every process runs all of it (collectives inside)."""
@@ -493,7 +501,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
             report.console.print(f"resumed from {checkpoint} at update {state.step}")
     try:
         enter_phase("evaluation")
-        with dist.full_parameters(state.model):  # every process gathers and evaluates its share
+        with _gathered_for_evaluation(dist, state.model, eval_prompts):
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path)
@@ -505,11 +513,13 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         raise
 
     enter_phase("evaluation")
-    with dist.full_parameters(state.model):  # every process gathers and evaluates its share
+    with _gathered_for_evaluation(dist, state.model, eval_prompts):
         after = evaluate(engine, eval_prompts, recipe.seed, dist) if eval_prompts else None
     enter_phase("checkpoint")
-    full_state = gathered_model_state(state)  # FSDP: the whole weights, gathered by every process
-    with dist.full_parameters(state.model):  # every process gathers; the main one saves final/
+    full_state = gathered_model_state(state)  # FSDP: what trains, whole, gathered by every process
+    # FSDP: final/ is written from full_state (--merge reloads the base from disk), so the sharded
+    # weights need no gathering; ZeRO-3 saves from the modules, gathered here by every process.
+    with contextlib.nullcontext() if dist.shards_parameters else dist.full_parameters(state.model):
         summary = _finish(state, run_dir, before, after, merge, started, observer, full_state) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)

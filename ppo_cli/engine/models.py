@@ -104,7 +104,10 @@ def load_pretrained(
     except (OSError, ValueError, RuntimeError, ImportError) as err:
         hint = _hub_hint(path) if isinstance(err, OSError) else None  # not for e.g. out of memory
         raise ModelLoadError(f"cannot load model '{path}': {first_line(err)}", hint=hint) from err
-    if quant_config is None:
+    if quant_config is None and device.type != "cpu":
+        # On CPU the weights stay where from_pretrained put them: views of the memory-mapped checkpoint,
+        # read as they are used. Moving them to accelerate's device (cpu:0, "another" CPU device to
+        # torch) would copy every tensor while the file's pages are resident: twice the model at once.
         model.to(device)
     disable_dropout(model)
     return model

@@ -278,6 +278,32 @@ def keep_freed_memory() -> None:
     mallopt(-2, 512 * 2**20)  # M_TOP_PAD: grow the heap in large steps
 
 
+def release_freed_memory() -> None:
+    """CPU: hand the heap's free pages back to the kernel now (glibc malloc_trim), after a large free.
+
+    keep_freed_memory makes glibc keep what is freed, which is right for the update's activations
+    (freed and reallocated every micro-batch) but not for a one-off free: under FSDP each process
+    loads the whole policy before prepare() shards it, and the whole weights, freed there, would
+    stay in the resident set for the rest of the run. A no-op off glibc or with CPU_MALLOC_TUNING off.
+    """
+    if not CPU_MALLOC_TUNING:
+        return
+    import ctypes
+    import gc
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:  # musl has none
+        trim(0)
+
+
 def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precision: str | None = None) -> Engine:
     """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
     (accelerate's) device when several processes train, else resolved from train.device;

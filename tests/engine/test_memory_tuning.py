@@ -51,3 +51,36 @@ def test_switch_off_leaves_malloc_alone(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
     session.keep_freed_memory()
     assert calls == []
+
+
+RELEASE_PROBE = """
+import os, sys, torch
+from ppo_cli.engine import session
+session.keep_freed_memory()
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+blocks = [torch.ones(8 * 2**20 // 4) for _ in range(32)]  # 256 MB of weight-sized tensors, from the heap
+held = resident()
+del blocks
+kept = resident()
+session.release_freed_memory()
+print(held - kept, kept - resident())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
+def test_release_hands_a_large_free_back_to_the_kernel():
+    out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True)
+    kept_on_free, released = (int(n) / 2**20 for n in out.stdout.split()[-2:])
+    assert kept_on_free < 16  # tuned: freeing 256 MB leaves the pages resident
+    assert released > 200  # release_freed_memory (after FSDP shards the loaded policy) returns them
+
+
+def test_release_switched_off_leaves_malloc_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(session, "CPU_MALLOC_TUNING", False)
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
+    session.release_freed_memory()
+    assert calls == []

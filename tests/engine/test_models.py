@@ -274,3 +274,22 @@ def test_auto_critic_with_a_scalar_reward_model_of_the_policys_kind_is_the_froze
     assert ac.value_kind == "model" and ac.value_backbone is reward_model.base_model
     assert torch.equal(ac.value_head.weight, reward_model.score.weight)
     assert ac.value_parameters() == list(ac.value_head.parameters())
+
+
+def test_cpu_weights_stay_views_of_the_mapped_checkpoint_on_accelerates_cpu0(tiny_models):
+    # Several processes run on accelerate's device cpu:0; moving the weights there would copy every
+    # tensor while the checkpoint's pages are resident (twice the model while loading).
+    from transformers import AutoModelForCausalLM
+
+    from ppo_cli.engine.models import load_pretrained
+
+    model = load_pretrained(AutoModelForCausalLM, str(tiny_models / "policy"), dtype=torch.float32,
+                            device=torch.device("cpu", 0))
+    checkpoint = str((tiny_models / "policy" / "model.safetensors").resolve())
+    mapped = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(checkpoint):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            mapped.append((start, end))
+    assert mapped, "the checkpoint is not mapped"
+    assert all(any(start <= p.data_ptr() < end for start, end in mapped) for p in model.parameters())
