@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Creates a venv (default .venv at the repository root; or the directory given as the first argument)
-# if missing, and installs torch (the CPU build on a machine without CUDA, scripts/venv_lib.sh) and
-# ppo_cli into it (idempotent). Sourced by scripts/demo.sh and scripts/test.sh; sets $PY to the venv's python.
+# Creates a venv (default .venv at the repository root; PPO_VENV=DIR for another) if missing, and
+# installs torch (the CPU build on a machine without CUDA, scripts/venv_lib.sh) and ppo_cli into it
+# (idempotent). Sourced by scripts/demo.sh and scripts/test.sh; sets $PY to the venv's python.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv_lib.sh"
-VENV="${1:-$ROOT/.venv}"
+# Not "$1": a sourced script sees its caller's arguments (scripts/test.sh -q would name a venv "-q").
+VENV="${PPO_VENV:-$ROOT/.venv}"
 
 make_venv "$VENV"
 install_torch

@@ -50,7 +50,7 @@ class Machine:
         return result, self.log.read_text().splitlines()
 
     def setup_env(self, **env: str):
-        return self.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), str(self.venv)], **env)
+        return self.run(["bash", str(ROOT / "scripts" / "setup_env.sh")], **env)
 
 
 def _torch_installs(calls: list[str]) -> list[str]:
@@ -121,3 +121,22 @@ def test_the_vllm_and_deepspeed_venvs_get_the_same_cpu_torch(tmp_path, cpu_index
     assert result.returncode == 0, result.stderr
     assert _torch_installs(calls) == [f"-m pip install -q --extra-index-url {cpu_index} torch==2.13.0+cpu"]
     assert f"-m pip install -q -e {ROOT}{extra} pytest" in calls
+
+
+def test_test_sh_passes_its_pytest_arguments_to_pytest_not_to_the_venv_setup(tmp_path):
+    """scripts/test.sh sources setup_env.sh, which sees test.sh's own arguments: `scripts/test.sh -q` must
+    still set up ROOT/.venv (here a copy of the scripts whose .venv is the fake one) and run pytest with -q."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("test.sh", "setup_env.sh", "venv_lib.sh"):
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    (repo / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    machine = Machine(tmp_path)
+    (repo / ".venv").symlink_to(machine.venv)
+    env = {"PATH": f"{machine.bin}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PIP_LOG": str(machine.log),
+           "TORCH_IMPORT_RC": "0"}
+    result = subprocess.run(["bash", "scripts/test.sh", "-q", "-x"], cwd=repo, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not (repo / "-q").exists()
+    assert machine.log.read_text().splitlines()[-1] == "-m pytest -q -x"
