@@ -483,7 +483,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     started = time.perf_counter()
     if dist.is_main:
-        report.console.print(f"loading models for [bold]{recipe.name}[/] ({dist.precision.describe()}) ...")
+        report.console.print(f"loading models for [bold]{recipe.name}[/] ({dist.precision.describe()}) ...", soft_wrap=True)
     try:
         with memory_phase("loading the models"):
             engine = load_engine(recipe, dist.device, dist.mixed_precision)
