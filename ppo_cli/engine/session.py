@@ -248,6 +248,19 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
 
 
+def _tunable_libc():
+    """The C library, where malloc may be tuned: Linux with CPU_MALLOC_TUNING on; None otherwise."""
+    import ctypes
+    import sys
+
+    if not CPU_MALLOC_TUNING or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> None:
     """CPU training: stop glibc from returning freed activation memory to the kernel on every free.
 
@@ -259,16 +272,8 @@ def keep_freed_memory() -> None:
     heap and (almost) never trimming it keeps those pages resident and reused; the resident set then
     stays at its peak (which it reaches anyway). A no-op off glibc or with CPU_MALLOC_TUNING off.
     """
-    if not CPU_MALLOC_TUNING:
-        return
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _tunable_libc()
+    if libc is None:
         return
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:  # musl
@@ -286,19 +291,12 @@ def release_freed_memory() -> None:
     loads the whole policy before prepare() shards it, and the whole weights, freed there, would
     stay in the resident set for the rest of the run. A no-op off glibc or with CPU_MALLOC_TUNING off.
     """
-    if not CPU_MALLOC_TUNING:
+    libc = _tunable_libc()
+    if libc is None:
         return
-    import ctypes
     import gc
-    import sys
 
-    if not sys.platform.startswith("linux"):
-        return
     gc.collect()
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
     trim = getattr(libc, "malloc_trim", None)
     if trim is not None:  # musl has none
         trim(0)

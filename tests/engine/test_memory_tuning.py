@@ -45,11 +45,12 @@ def test_freed_block_stays_resident_only_when_tuned():
     assert _released_mb("on") < 4  # tuned: it went back to the heap, pages kept for the next tensor
 
 
-def test_switch_off_leaves_malloc_alone(monkeypatch):
+@pytest.mark.parametrize("tune", ["keep_freed_memory", "release_freed_memory"])
+def test_switch_off_leaves_malloc_alone(monkeypatch, tune):
     calls = []
     monkeypatch.setattr(session, "CPU_MALLOC_TUNING", False)
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
-    session.keep_freed_memory()
+    getattr(session, tune)()
     assert calls == []
 
 
@@ -76,11 +77,3 @@ def test_release_hands_a_large_free_back_to_the_kernel():
     kept_on_free, released = (int(n) / 2**20 for n in out.stdout.split()[-2:])
     assert kept_on_free < 16  # tuned: freeing 256 MB leaves the pages resident
     assert released > 200  # release_freed_memory (after FSDP shards the loaded policy) returns them
-
-
-def test_release_switched_off_leaves_malloc_alone(monkeypatch):
-    calls = []
-    monkeypatch.setattr(session, "CPU_MALLOC_TUNING", False)
-    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
-    session.release_freed_memory()
-    assert calls == []
