@@ -11,7 +11,7 @@ The rest is arithmetic on the recipe:
     optimizer    AdamW: two states per trainable parameter, in its dtype (1 B each with optim.name adamw_8bit)
     activations  what the update's forward keeps for the backward, per micro-batch of
                  micro_batch_size x (prompt + response) tokens; measured per token and layer for
-                 Llama/Qwen-style decoders with SDPA attention (scripts/bench_vs_trl.py plan-check):
+                 Llama/Qwen-style decoders with SDPA attention (benchmarks/bench_vs_trl.py plan-check):
                  10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
                  logits of the response positions (three float32 copies: logits, scaled, gradient);
                  with train.mixed_precision bf16/fp16 activations take 2 B a value, and

@@ -27,7 +27,7 @@ class Line:
 
 def activation_floats_per_token_layer(shape, trains_weights: bool, lora_r: int, seq_len: int) -> float:
     """Values the backward needs per token and decoder layer (measured on Qwen2 with SDPA attention,
-    scripts/bench_vs_trl.py plan-check): norms' inputs and outputs, q/k/v/attention outputs, the
+    benchmarks/bench_vs_trl.py plan-check): norms' inputs and outputs, q/k/v/attention outputs, the
     attention's log-sum-exp, the MLP's gate/up/act/product; a frozen LoRA base skips the norm weights'
     inputs and adds 7 r-sized LoRA intermediates; the causal mask adds L/2."""
     H, I = shape.hidden, shape.intermediate

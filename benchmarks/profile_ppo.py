@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where one PPO update of `ppo train` spends its time and memory, phase by phase.
 
-    python scripts/profile_ppo.py RECIPE [--set k=v ...] [--updates 4] [--warmup 1] [--lever NAME=off ...]
+    python benchmarks/profile_ppo.py RECIPE [--set k=v ...] [--updates 4] [--warmup 1] [--lever NAME=off ...]
 
 Loads the engine exactly as `ppo train` does, then runs updates with timers around each phase:
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Rollout time with one forward of the reward model that is also the frozen critic, against two.
 
-    python scripts/bench_shared_reward.py [--shape tiny|wide] [--repeats 5] [--batch 64] [--tokens 24]
+    python benchmarks/bench_shared_reward.py [--shape tiny|wide] [--repeats 5] [--batch 64] [--tokens 24]
 
 value.kind auto with a scalar reward model on the policy's architecture and tokenizer is the frozen
 reward-model critic; engine/shared_reward.py then scores the rollout and computes the critic's

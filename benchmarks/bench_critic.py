@@ -2,9 +2,9 @@
 """Which critic reaches a target reward first in wall-clock: updates-to-target on the tiny task (many
 seeds) times seconds per update at the 0.5B shape, per ``value.kind``.
 
-    python scripts/bench_critic.py curves --seeds 0-19 --updates 20,36 --jobs 3   # tiny reward curves, LoRA and full
-    python scripts/bench_critic.py timing --layers 6 --updates 3                  # CPU s/update per kind, 0.5B widths
-    python scripts/bench_critic.py report [--target 5.0]                           # the tables
+    python benchmarks/bench_critic.py curves --seeds 0-19 --updates 20,36 --jobs 3   # tiny reward curves, LoRA and full
+    python benchmarks/bench_critic.py timing --layers 6 --updates 3                  # CPU s/update per kind, 0.5B widths
+    python benchmarks/bench_critic.py report [--target 5.0]                           # the tables
 
 The target (defined before any run): the 3-update moving average of ``objective/scores`` (the reward
 model's score minus the missing-EOS penalty, before the KL penalty) reaches +5.0; the tiny task's
@@ -14,7 +14,7 @@ Every seed's censoring time is the same (the run length), so the Kaplan-Meier me
 median with censored seeds sorted last ("> N" when half or more are censored); the restricted mean
 counts a censored seed as N updates (a lower bound on its true mean).
 
-Runs use scripts/bench_vs_trl.py's recipe, models and prompts. The curves use one torch thread per
+Runs use benchmarks/bench_vs_trl.py's recipe, models and prompts. The curves use one torch thread per
 run, in ``--jobs`` worker processes (curves are deterministic per seed; machine speed does not
 change them). The timing records CPU seconds per update on one thread, which a shared machine's
 load changes far less than wall-clock. Never imported by ppo_cli or its tests.
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "scripts" / "bench_vs_trl.py")
+_spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -2,8 +2,8 @@
 
 Run in the vLLM venv (scripts/vllm_test.sh makes it), e.g.
 
-    .venv-vllm/bin/python scripts/bench_vllm.py --model .cache/vllm-tiny/policy
-    .venv-vllm/bin/python scripts/bench_vllm.py --shape qwen2.5-0.5b --dtype bfloat16
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --model .cache/vllm-tiny/policy
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --shape qwen2.5-0.5b --dtype bfloat16
 
 Both sample B prompts x T new tokens at temperature 1 from the full softmax (as PPO rollouts do):
 transformers through ppo_cli's own generate(), vLLM through an in-process engine with the settings

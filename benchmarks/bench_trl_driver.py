@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One TRL 1.12.0 PPO run for scripts/bench_vs_trl.py; runs in TRL's own virtual environment.
+"""One TRL 1.12.0 PPO run for benchmarks/bench_vs_trl.py; runs in TRL's own virtual environment.
 
 Never imported by ppo_cli or its tests: bench_vs_trl.py starts it with .cache/trl-venv/bin/python
 and reads the JSON it writes (per-update seconds, scores, generated tokens, peak memory).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Log-probs of the sampled tokens: gather - logsumexp (ppo_cli) against log_softmax + gather.
 
-    python scripts/bench_logprobs.py [--batch 8] [--tokens 24] [--vocab 1090 151936] [--repeats 5]
+    python benchmarks/bench_logprobs.py [--batch 8] [--tokens 24] [--vocab 1090 151936] [--repeats 5]
 
 For each vocabulary size: median seconds of forward + backward through each, and the extra memory the
 forward keeps for the backward (bytes of the tensors autograd saves, measured with saved-tensor hooks).

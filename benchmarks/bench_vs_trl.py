@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Side-by-side benchmark: `ppo train` against TRL 1.12.0's PPOTrainer on the same models, prompts and config.
 
-    python scripts/bench_vs_trl.py setup      # TRL 1.12.0 in its own venv (.cache/trl-venv), versions matched to ours
-    python scripts/bench_vs_trl.py models     # bench models under .cache/bench/ (tiny + the 0.5B shape), prompts
-    python scripts/bench_vs_trl.py models --smollm2   # also the real SmolLM2-135M-Instruct (compare --shape smollm2)
-    python scripts/bench_vs_trl.py compare --shape 0.5b --updates 5 --rounds 2
-    python scripts/bench_vs_trl.py compare --shape tiny --updates 40 --rounds 3    # also the reward curves
-    python scripts/bench_vs_trl.py scaling --shape 0.5b                            # ours at 3 batch sizes, 3 lengths
-    python scripts/bench_vs_trl.py memory --shape 0.5b                             # ours, peak memory per configuration
-    python scripts/bench_vs_trl.py report     # markdown tables from .cache/bench/results/*.jsonl
+    python benchmarks/bench_vs_trl.py setup      # TRL 1.12.0 in its own venv (.cache/trl-venv), versions matched to ours
+    python benchmarks/bench_vs_trl.py models     # bench models under .cache/bench/ (tiny + the 0.5B shape), prompts
+    python benchmarks/bench_vs_trl.py models --smollm2   # also the real SmolLM2-135M-Instruct (compare --shape smollm2)
+    python benchmarks/bench_vs_trl.py compare --shape 0.5b --updates 5 --rounds 2
+    python benchmarks/bench_vs_trl.py compare --shape tiny --updates 40 --rounds 3    # also the reward curves
+    python benchmarks/bench_vs_trl.py scaling --shape 0.5b                            # ours at 3 batch sizes, 3 lengths
+    python benchmarks/bench_vs_trl.py memory --shape 0.5b                             # ours, peak memory per configuration
+    python benchmarks/bench_vs_trl.py report     # markdown tables from .cache/bench/results/*.jsonl
 
 Shapes: ``tiny`` is the test suite's tiny review LM (scripts/make_tiny_models.py) with a scalar reward
 model derived from its sentiment classifier (score = logit(positive) - logit(negative)); ``0.5b`` has
@@ -315,7 +315,7 @@ def run_trl(cfg: dict, tag: str) -> dict:
     out = CACHE / "trl-out" / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        str(TRL_VENV / "bin" / "python"), str(ROOT / "scripts" / "bench_trl_driver.py"),
+        str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "bench_trl_driver.py"),
         "--policy", str(paths["policy"]), "--reward", str(paths["reward"]), "--prompts", str(paths["prompts"]),
         "--updates", str(cfg["updates"]), "--batch", str(cfg["batch"]), "--mini-batches", str(cfg["mini_batches"]),
         "--micro-batch", str(cfg["micro_batch"]), "--epochs", str(cfg["epochs"]),

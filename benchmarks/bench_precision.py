@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """fp32 against bf16 autocast (train.mixed_precision): seconds per PPO update, in one process.
 
-    python scripts/bench_precision.py speed [--models .cache/bench/0.5b] [--repeats 3] [--full]
-    python scripts/bench_precision.py curves [--tiny-models models/tiny] [--seeds 0 1 2 3 4] [--last 10]
+    python benchmarks/bench_precision.py speed [--models .cache/bench/0.5b] [--repeats 3] [--full]
+    python benchmarks/bench_precision.py curves [--tiny-models models/tiny] [--seeds 0 1 2 3 4] [--last 10]
 
 One engine (float32 weights) and two training states over it, one prepared by an Accelerator with
 mixed_precision 'no', one with 'bf16'; their updates (generation + rollout forwards + reward + 4 PPO
@@ -11,7 +11,7 @@ warm-up update each. Prints the median seconds of the rollout, the update and th
 precision, their fp32 / bf16 ratios, and each precision's val/ratio_first_minibatch. Both states
 train the same weights, so the rounds see nearly the same policy.
 
-The models are the 0.5B shape of `python scripts/bench_vs_trl.py models` (Qwen2-0.5B layout, random
+The models are the 0.5B shape of `python benchmarks/bench_vs_trl.py models` (Qwen2-0.5B layout, random
 weights: the timing depends on the shape only).
 
 ``curves``: the tiny task (recipes/tiny_sentiment.yaml as shipped, models from scripts/make_tiny_models.py)

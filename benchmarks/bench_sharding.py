@@ -1,7 +1,7 @@
 """Peak resident memory per process: DDP against FSDP2, 2 CPU processes, LoRA and full fine-tuning.
 
-    python scripts/bench_sharding.py --shape tiny                 # LoRA and full, DDP and FSDP
-    python scripts/bench_sharding.py --shape 0.5b --modes lora    # the Qwen2.5-0.5B shape (random weights)
+    python benchmarks/bench_sharding.py --shape tiny                 # LoRA and full, DDP and FSDP
+    python benchmarks/bench_sharding.py --shape 0.5b --modes lora    # the Qwen2.5-0.5B shape (random weights)
 
 Each configuration is one `ppo train` of 2 updates under `accelerate launch` (DDP: --multi_gpu, as
 `ppo train --num-processes 2` launches; FSDP: recipes/accelerate/fsdp.yaml, with the rollout per block
@@ -9,7 +9,7 @@ Each configuration is one `ppo train` of 2 updates under `accelerate launch` (DD
 this file (`_rank`), which records its own peak RSS (getrusage ru_maxrss) at exit; the figures are
 the two processes' peaks, their ratio FSDP / DDP, and the rollout seconds per update (the mean over
 both updates, of rank 0; wall-clock, so only comparable within one quiet run). Models: the tiny review LM
-(PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python scripts/bench_vs_trl.py models`
+(PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python benchmarks/bench_vs_trl.py models`
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
 LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
 each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
@@ -98,7 +98,7 @@ def _models(shape: str) -> tuple[Path, Path, str]:
         return tiny / "policy", tiny / "reward", "classifier"
     big = Path(os.environ.get("PPO_BENCH_CACHE", ROOT / ".cache/bench")) / "0.5b"
     if not (big / "reward/config.json").exists():
-        sys.exit(f"{big} is missing: run python scripts/bench_vs_trl.py models first")
+        sys.exit(f"{big} is missing: run python benchmarks/bench_vs_trl.py models first")
     return big / "policy", big / "reward", "model"
 
 
