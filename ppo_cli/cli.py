@@ -378,7 +378,7 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")
         return EXIT_INTERRUPTED
-    from ppo_cli.memory_errors import is_out_of_memory
+    from ppo_cli.resource_errors import is_out_of_memory
 
     if is_out_of_memory(err):  # outside training's phases (loading, eval, compare): still not a bug
         print_error(f"out of memory: {first_line(err)}", "run `ppo plan RECIPE` to see what each role needs and what would fit")

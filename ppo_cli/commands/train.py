@@ -260,8 +260,8 @@ def advice_from_plan(err, recipe, recipe_path: Path | None, device):
     import shlex
 
     from ppo_cli.commands import plan
-    from ppo_cli.memory import model_shapes, suggestions
-    from ppo_cli.memory_errors import OutOfMemory, machine_memory_gb
+    from ppo_cli.plan_memory import model_shapes, suggestions
+    from ppo_cli.resource_errors import OutOfMemory, machine_memory_gb
 
     try:
         result = plan.run(recipe, device=device.type)
@@ -331,10 +331,10 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state
     from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.distributed import Distributed
-    from ppo_cli.engine.session import load_engine
+    from ppo_cli.engine.engine import load_engine
     from ppo_cli.evaluation import held_out
-    from ppo_cli.memory_errors import OutOfMemory
-    from ppo_cli.memory_errors import phase as memory_phase
+    from ppo_cli.resource_errors import OutOfMemory
+    from ppo_cli.resource_errors import phase as memory_phase
     from ppo_cli.resume import truncate_jsonl
     from ppo_cli.runs import discard_unstarted_run
     from ppo_cli.trainer import init_state
