@@ -59,7 +59,7 @@ def speed(args) -> None:
 
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.data import read_recipe_prompts
-    from ppo_cli.engine.session import load_engine
+    from ppo_cli.engine.engine import load_engine
     from ppo_cli.trainer import init_state, train_step
 
     recipe = recipe_for(args.models, args)

@@ -13,7 +13,7 @@ both updates, of rank 0; wall-clock, so only comparable within one quiet run). M
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
 LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
 each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
-own trimming on (engine/session.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
+own trimming on (engine/engine.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def _rank_main(out_dir: str, argv: list[str]) -> None:
 
     if os.environ.get("BENCH_PHASES"):
         _trace_phases()
-    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (engine/session.py's switch)
-        import ppo_cli.engine.session as session
+    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (engine/engine.py's switch)
+        import ppo_cli.engine.engine as engine_module
 
-        session.CPU_MALLOC_TUNING = False
+        engine_module.CPU_MALLOC_TUNING = False
     code = 0
     try:
         sys.argv = ["ppo", *argv]
@@ -59,7 +59,7 @@ def _trace_phases() -> None:
     import functools
 
     import ppo_cli.commands.train as train_cmd
-    import ppo_cli.engine.session as session
+    import ppo_cli.engine.engine as engine_module
     import ppo_cli.trainer as trainer
     import ppo_cli.checkpoint as checkpoint
 
@@ -79,7 +79,7 @@ def _trace_phases() -> None:
 
         setattr(module, name, wrapper)
 
-    for module, name in ((session, "load_engine"), (trainer, "init_state"), (trainer, "train_step"),
+    for module, name in ((engine_module, "load_engine"), (trainer, "init_state"), (trainer, "train_step"),
                          (train_cmd, "_evaluate_before"), (train_cmd, "evaluate"), (train_cmd, "_finish"),
                          (checkpoint, "gathered_model_state")):
         traced(module, name)

@@ -5,7 +5,7 @@
 
 value.kind auto with a scalar reward model on the policy's architecture and tokenizer is the frozen
 reward-model critic; engine/shared_reward.py then scores the rollout and computes the critic's
-features with one forward of that model (session.SHARED_REWARD_FORWARD on) instead of one each (off).
+features with one forward of that model (engine_module.SHARED_REWARD_FORWARD on) instead of one each (off).
 Both run on the same engine in one process, alternating, from the same seed (same samples), and the
 script prints the median seconds of the whole rollout (collect_rollout) and of its part after
 generation (the forwards over the sampled tokens and the reward), with the CPU they ran on.
@@ -37,15 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_models() -> Path:
-    """The tiny models scripts/make_tiny_models.py built, where the tests' fixture keeps them."""
-    import hashlib
-    import subprocess
+    """The tiny models tests/fixtures/tiny_models.py built, where the tests' fixture keeps them."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.model_cache import built_tiny_models
 
-    digest = hashlib.sha256((ROOT / "scripts" / "make_tiny_models.py").read_bytes()).hexdigest()[:12]
-    out = ROOT / ".cache" / f"tiny-models-{digest}"
-    if not (out / "policy" / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_models.py"), "--out", str(out)], check=True)
-    return out
+    return built_tiny_models()
 
 
 def scalar_reward(tiny: Path, out: Path) -> Path:
@@ -97,7 +93,7 @@ def main() -> None:
 
     import torch
 
-    from ppo_cli.engine import session
+    from ppo_cli.engine import engine as engine_module
     from ppo_cli.engine.precision_probe import machine_record
     from ppo_cli.recipe_loading import load_recipe
 
@@ -114,7 +110,7 @@ def main() -> None:
             f"ppo.micro_batch_size={min(16, args.batch)}", f"generation.max_new_tokens={args.tokens}",
             *args.overrides]
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", sets)
-    engine = session.load_engine(recipe)
+    engine = engine_module.load_engine(recipe)
     assert engine.shared_reward is not None, "the reward model is not the frozen critic here"
     lines = [line.strip() for line in (ROOT / recipe.data.prompts).read_text().splitlines() if line.strip()]
     prompts = (lines * (args.batch // len(lines) + 1))[: args.batch]
@@ -124,7 +120,7 @@ def main() -> None:
     matched = []
     for repeat in range(args.repeats + 1):  # the first round warms up both
         for mode in ("one", "two") if repeat % 2 else ("two", "one"):
-            session.SHARED_REWARD_FORWARD = mode == "one"
+            engine_module.SHARED_REWARD_FORWARD = mode == "one"
             torch.manual_seed(repeat)
             started = time.perf_counter()
             rollout = engine.collect_rollout(prompts)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import platform
@@ -112,20 +111,18 @@ def tiny_source(args) -> Path:
         return Path(args.tiny_models)
     if os.environ.get("PPO_TINY_MODELS"):
         return Path(os.environ["PPO_TINY_MODELS"])
-    import hashlib
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.model_cache import built_tiny_models
 
-    script = ROOT / "scripts" / "make_tiny_models.py"
-    out = ROOT / ".cache" / f"tiny-models-{hashlib.sha256(script.read_bytes()).hexdigest()[:12]}"
-    if not (out / "policy" / "config.json").exists():
-        subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, env=env())
-    return out
+    return built_tiny_models(env())
 
 
 def _tiny_script():
-    spec = importlib.util.spec_from_file_location("make_tiny_models", ROOT / "scripts" / "make_tiny_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The tiny models' builder (its review generator writes the prompts)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures import tiny_models
+
+    return tiny_models
 
 
 def write_prompts(path: Path, n: int = 256, seed: int = 1234) -> None:

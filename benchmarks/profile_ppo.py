@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
     from ppo_cli import trainer
     from ppo_cli.engine import logprobs as lp
-    from ppo_cli.engine import session
+    from ppo_cli.engine import engine as engine_module
     from ppo_cli.recipe_loading import load_recipe
 
     after_imports = rss_gb()
@@ -147,15 +147,15 @@ def main(argv=None) -> int:
     torch.manual_seed(recipe.seed)
 
     if "inference_mode" in levers_off:
-        session.INFERENCE_MODE = False
+        engine_module.INFERENCE_MODE = False
     if "malloc" in levers_off:
-        session.CPU_MALLOC_TUNING = False
+        engine_module.CPU_MALLOC_TUNING = False
     if "logsumexp" in levers_off:
         def naive(logits, index, chunk_rows=8):
             return torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-        session.selective_log_softmax = trainer.selective_log_softmax = lp.selective_log_softmax = naive
+        engine_module.selective_log_softmax = trainer.selective_log_softmax = lp.selective_log_softmax = naive
     if "trim" in levers_off:
-        session.trim_padding = lambda generation: generation
+        engine_module.trim_padding = lambda generation: generation
     if "fused_adamw" in levers_off:
         original_adamw = torch.optim.AdamW
 
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         trainer.torch.optim.AdamW = unfused
 
     started = time.perf_counter()
-    engine = session.load_engine(recipe)
+    engine = engine_module.load_engine(recipe)
     state = trainer.init_state(engine, [line.strip() for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()])
     if "fused_adamw" in levers_off:
         torch.optim.AdamW = original_adamw
@@ -188,11 +188,11 @@ def main(argv=None) -> int:
         state.model = untrimmed
 
     timers = Timers()
-    Engine = session.Engine
+    Engine = engine_module.Engine
     wrap(Engine, "_generate", timers, "generate")
-    wrap(session, "policy_forward", timers, "policy")
-    wrap(session, "reference_logprobs", timers, "reference")
-    wrap(session, "value_forward", timers, "values")
+    wrap(engine_module, "policy_forward", timers, "policy")
+    wrap(engine_module, "reference_logprobs", timers, "reference")
+    wrap(engine_module, "value_forward", timers, "values")
     wrap(Engine, "decode_responses", timers, "reward")
     wrap(Engine, "score", timers, "reward")
     wrap(trainer, "compute_advantages", timers, "advantages")

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ppo_cli.engine.actor_critic import ActorCritic
 from ppo_cli.engine.models import POLICY_ADAPTER, save_adapter, unwrap_causal_lm
 from ppo_cli.engine.weights import load_safetensors_into, part_of
-from ppo_cli.memory_errors import disk_space_for
+from ppo_cli.resource_errors import disk_space_for
 from ppo_cli.runs import apply_default_modes, replace_directory, restore_replaced_directory
 
 MANIFEST = "manifest.json"

@@ -169,7 +169,8 @@ def train(
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
-    result = run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force)
+    result = run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force,
+                       show=report.TrainScreen())
     if result.summary:  # the main process's; the others return none
         report.print_train_summary(result.summary)
 
@@ -377,7 +378,7 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")
         return EXIT_INTERRUPTED
-    from ppo_cli.memory_errors import is_out_of_memory
+    from ppo_cli.resource_errors import is_out_of_memory
 
     if is_out_of_memory(err):  # outside training's phases (loading, eval, compare): still not a bug
         print_error(f"out of memory: {first_line(err)}", "run `ppo plan RECIPE` to see what each role needs and what would fit")

@@ -175,7 +175,7 @@ class ShardingMixin:
         with without_frozen_models(model):
             prepared = self.accelerator.prepare(model, optimizer)
         if self.device.type == "cpu":
-            from ppo_cli.engine.session import release_freed_memory
+            from ppo_cli.engine.engine import release_freed_memory
 
             release_freed_memory()  # the whole weights each process loaded, now sharded
         return prepared

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 # The launcher's own options, each taking one value: the launched processes must not launch again.
 LAUNCHER_OPTIONS = ("--num-processes", "--accelerate-config")
@@ -70,17 +69,6 @@ def launch_train(num_processes: int, argv: list[str], config_file=None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = launch_command(num_processes, forwarded_args(argv), config_file)
     return subprocess.run(command, env=env).returncode
-
-
-def config_uses_deepspeed(config_file: Path) -> bool:
-    """Whether an accelerate config file launches DeepSpeed (distributed_type: DEEPSPEED)."""
-    import yaml
-
-    try:
-        config = yaml.safe_load(Path(config_file).read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # accelerate itself says what is wrong with the file
-    return isinstance(config, dict) and str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
 
 
 def quiet_launch(argv: list[str]) -> int:

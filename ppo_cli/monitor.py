@@ -7,7 +7,7 @@ numbers), the likely cause and the fix, in plain words.
     monitor = HealthMonitor(recipe.monitor)
     for metrics in training:
         for warning in monitor.observe(metrics, step):  # new warnings, and reminders
-            report.print_health_warning(asdict(warning))
+            show("warning", asdict(warning))            # observe.py: to the CLI's screen
         metrics["health/warnings"] = monitor.active     # rule ids active now
 
 A warning is returned when its rule starts firing, and again every ``repeat_every`` updates while it

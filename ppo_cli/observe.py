@@ -1,21 +1,23 @@
 """What `ppo train` does with each update's metrics besides training on: health warnings, trackers,
 and at the end the learning-curve plot and the summary's warnings and file list.
 
-    observer = RunObserver(recipe, run_dir, resumed_at=state.step)   # main process only
-    observer.observe(metrics, step)   # prints new warnings; adds metrics["health/warnings"]
+    observer = RunObserver(recipe, run_dir, resumed_at=state.step, show=show)   # main process only
+    observer.observe(metrics, step)   # shows new warnings; adds metrics["health/warnings"]
     observer.log(metrics, step)       # TensorBoard / accelerate trackers, on metrics.jsonl's schedule
     observer.close()
     summary.update(observer.finish(summary))   # plot + warnings + files, for summary.json
 
-No torch: the engine's numbers arrive here as plain floats.
+Nothing is printed here: warnings and notes go to ``show`` (commands/train.py's Show), as
+show("warning", HealthWarning as a dict) and show("note", {"message": ...}). No torch: the engine's
+numbers arrive here as plain floats.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
-from ppo_cli import report
 from ppo_cli.errors import PpoError
 from ppo_cli.monitor import HealthMonitor
 from ppo_cli.plots import plot_run, read_metrics
@@ -27,8 +29,9 @@ HEALTH_METRIC = "health/warnings"
 
 
 class RunObserver:
-    def __init__(self, recipe: Recipe, run_dir: RunDir, resumed_at: int = 0):
-        self.recipe, self.run_dir = recipe, run_dir
+    def __init__(self, recipe: Recipe, run_dir: RunDir, resumed_at: int = 0,
+                 show: Callable[[str, dict], None] = lambda what, data: None):
+        self.recipe, self.run_dir, self.show = recipe, run_dir, show
         self.monitor = HealthMonitor(recipe.monitor)
         if resumed_at and run_dir.metrics.exists():
             # Rebuild the windows from the metrics already logged, quietly: a resumed run keeps its
@@ -40,7 +43,7 @@ class RunObserver:
 
     def observe(self, metrics: dict, step: int) -> None:
         for warning in self.monitor.observe(metrics, step):
-            report.print_health_warning(asdict(warning))
+            self.show("warning", asdict(warning))
         metrics[HEALTH_METRIC] = list(self.monitor.active)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -55,7 +58,7 @@ class RunObserver:
         try:
             plot = plot_run(self.run_dir.path)
         except PpoError as err:  # matplotlib missing, or nothing logged: the run itself is fine
-            report.note(f"no plot: {err.message}" + (f" ({err.hint})" if err.hint else ""))
+            self.show("note", {"message": f"no plot: {err.message}" + (f" ({err.hint})" if err.hint else "")})
         files = {
             "final model": self.run_dir.final, "metrics": self.run_dir.metrics, "samples": self.run_dir.samples,
             "held-out eval": self.run_dir.eval, "learning curves": plot, "tensorboard": self.trackers.tensorboard_dir,

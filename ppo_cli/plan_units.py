@@ -1,6 +1,6 @@
 """``ppo plan``'s units: bytes per value, the estimate's lines, activations per token and layer.
 
-The leaf both memory.py (the estimate) and each critic kind (engine/critics.py, its own part) count
+The leaf both plan_memory.py (the estimate) and each critic kind (engine/critics.py, its own part) count
 with. Pure arithmetic on plain numbers; ``shape`` is a memory.ModelShape (hidden, intermediate,
 total_params, linear_params). No torch.
 """

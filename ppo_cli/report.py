@@ -30,10 +30,9 @@ def metrics_line(metrics: dict) -> str:
 class TrainProgress:
     """A progress bar with ETA and a live line of the key metrics; plain log lines when not a terminal."""
 
-    def __init__(self, total: int, completed: int = 0, log_every: int = 1, enabled: bool = True):
+    def __init__(self, total: int, completed: int = 0, log_every: int = 1):
         self.log_every = log_every
-        self.enabled = enabled  # off on all but the main process of a multi-process run
-        self.interactive = console.is_terminal and enabled
+        self.interactive = console.is_terminal
         self.progress = Progress(
             TextColumn("[bold]update"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[line]}"),
@@ -51,12 +50,34 @@ class TrainProgress:
     def update(self, metrics: dict) -> None:
         line = metrics_line(metrics)
         self.progress.update(self.task, completed=metrics["step"], line=line)
-        if self.enabled and not self.interactive and metrics["step"] % self.log_every == 0:
+        if not self.interactive and metrics["step"] % self.log_every == 0:
             console.print(f"update {metrics['step']}/{self.progress.tasks[0].total}  {line}")
             sys.stdout.flush()
 
-    def note(self, message: str) -> None:
-        console.print(message)
+
+class TrainScreen:
+    """`ppo train`'s screen: called as ``show(what, data)`` by the run (commands/train.py's Show);
+    draws the loading line, the progress bar with its metrics line, health warnings and notes."""
+
+    def __init__(self):
+        self.progress: TrainProgress | None = None
+
+    def __call__(self, what: str, data: dict) -> None:
+        if what == "loading":
+            console.print(f"loading models for [bold]{data['name']}[/] ({data['precision']}) ...", soft_wrap=True)
+        elif what == "resumed":
+            console.print(f"resumed from {data['checkpoint']} at update {data['step']}")
+        elif what == "start":
+            self.progress = TrainProgress(data["total"], data["step"], data["log_every"]).__enter__()
+        elif what == "update" and self.progress is not None:
+            self.progress.update(data)
+        elif what == "warning":
+            print_health_warning(data)
+        elif what == "note":
+            note(data["message"])
+        elif what == "end" and self.progress is not None:
+            self.progress, progress = None, self.progress
+            progress.__exit__(None, None, None)
 
 
 def print_health_warning(warning: dict) -> None:

@@ -33,8 +33,8 @@ from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulat
 from ppo_cli.engine.actor_critic import PolicyAndValue
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import selective_log_softmax
-from ppo_cli.engine.session import Engine
-from ppo_cli.memory_errors import phase as memory_phase
+from ppo_cli.engine.engine import Engine
+from ppo_cli.resource_errors import phase as memory_phase
 from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flops
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n

@@ -7,10 +7,9 @@ source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PPO="$(dirname "$PY")/ppo"
 
-# The tiny models are built once per version of their build script, in the cache the test suite uses
-# too (tests/conftest.py), and models/tiny points there.
-digest="$("$PY" -c "import hashlib; print(hashlib.sha256(open('scripts/make_tiny_models.py', 'rb').read()).hexdigest()[:12])")"
-built=".cache/tiny-models-$digest"
+# The tiny models are built once per version of their builder, in the cache the test suite uses too
+# (tests/fixtures/model_cache.py), and models/tiny points there.
+built="$("$PY" -m tests.fixtures.model_cache)"
 [ -f "$built/policy/config.json" ] || "$PY" scripts/make_tiny_models.py --out "$built"
 mkdir -p models
 [ -L models/tiny ] || rm -rf models/tiny

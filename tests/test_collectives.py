@@ -7,7 +7,7 @@ import time
 import pytest
 
 from ppo_cli import collectives
-from ppo_cli.commands.train import share_of
+from ppo_cli.evaluation import share_of
 from ppo_cli.errors import EXIT_RUNTIME
 
 

@@ -214,7 +214,7 @@ def test_kl_matches_a_plain_full_softmax_forward(ws: Workspace):
     """The KL of eval/compare equals sum_t log pi - log pi_ref from plain transformers forwards."""
     import torch
 
-    from ppo_cli.commands.rollout import sequence_kl
+    from ppo_cli.evaluation import sequence_kl
     from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.model_refs import resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe

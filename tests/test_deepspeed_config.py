@@ -66,16 +66,6 @@ def test_a_zero3_init_flag_is_refused_in_one_line():
     assert "zero3_init_flag: false" in err.value.hint
 
 
-def test_the_repos_deepspeed_configs_launch_deepspeed():
-    from ppo_cli.launch import config_uses_deepspeed
-    from tests.conftest import ROOT
-
-    accelerate_configs = ROOT / "recipes" / "accelerate"
-    assert config_uses_deepspeed(accelerate_configs / "deepspeed_zero2.yaml")
-    assert config_uses_deepspeed(accelerate_configs / "deepspeed_zero3.yaml")
-    assert not config_uses_deepspeed(accelerate_configs / "multi_gpu_ddp.yaml")
-
-
 def test_a_checkpoint_resumes_only_under_the_launcher_that_wrote_it(tmp_path):
     """DeepSpeed's optimizer shards (deepspeed/) and a torch optimizer state do not stand in for each other."""
     from ppo_cli.checkpoint import check_same_launcher

@@ -33,7 +33,7 @@ AFTER = {"score": 9.35, "eos_rate": 1.0, "response_length": 5.0, "kl": 7.17}
 
 
 def _engine(policy_path, output_dir, models: Path, **extra):
-    from ppo_cli.engine.session import load_engine
+    from ppo_cli.engine.engine import load_engine
 
     sets = {**SMALL, **extra}
     # float32: the saved and merged models must give the trained logits to 1e-5 / 1e-4.

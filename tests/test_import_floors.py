@@ -195,7 +195,7 @@ def test_check_passes_a_graph_that_only_imports_down():
 
 @pytest.mark.parametrize("source, expected", [
     ("from ppo_cli.engine.models import load_tokenizer", [("engine.models", 1)]),
-    ("def f():\n    from ppo_cli import memory", [("memory", 2)]),
+    ("def f():\n    from ppo_cli import plan_memory", [("plan_memory", 2)]),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ppo_cli.recipe import Recipe", [("recipe", 3)]),
     ("from .models import freeze", [("engine.models", 1)]),
     ("from ..errors import PpoError", [("errors", 1)]),
@@ -203,5 +203,5 @@ def test_check_passes_a_graph_that_only_imports_down():
     ("import torch\nfrom pathlib import Path", []),
 ])
 def test_imports_of_sees_every_kind_of_import(source, expected):
-    modules = {"engine.critics", "engine.models", "engine.data", "memory", "recipe", "errors", PACKAGE}
+    modules = {"engine.critics", "engine.models", "engine.data", "plan_memory", "recipe", "errors", PACKAGE}
     assert imports_of("engine.critics", source, modules) == expected

@@ -1,4 +1,4 @@
-"""RunObserver, what `ppo train` does with each update's metrics, without a model: warnings printed
+"""RunObserver, what `ppo train` does with each update's metrics, without a model: warnings shown
 and recorded, trackers fed on the metrics.jsonl schedule, a resumed run keeping its warnings."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from ppo_cli import report
 from ppo_cli.observe import RunObserver
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.runs import RunDir
@@ -26,16 +25,20 @@ def make_run(tmp_path: Path, rows: int = 0, *sets: str) -> tuple:
     return recipe, run
 
 
-@pytest.fixture
-def printed(monkeypatch) -> list[dict]:
-    shown: list[dict] = []
-    monkeypatch.setattr(report, "print_health_warning", shown.append)
-    return shown
+class Shown(list):
+    """A run's ``show`` callback that keeps what it was given: (what, data) pairs."""
+
+    def __call__(self, what: str, data: dict) -> None:
+        self.append((what, data))
+
+    def of(self, what: str) -> list[dict]:
+        return [data for kind, data in self if kind == what]
 
 
-def test_new_warnings_are_printed_and_added_to_the_metrics_line(tmp_path, printed):
+def test_new_warnings_are_shown_and_added_to_the_metrics_line(tmp_path):
     recipe, run = make_run(tmp_path)
-    observer = RunObserver(recipe, run)
+    shown = Shown()
+    observer = RunObserver(recipe, run, show=shown)
     lines = []
     for step in (1, 2, 3, 4):
         metrics = {"step": step, "eos_rate": 0.0}
@@ -43,22 +46,23 @@ def test_new_warnings_are_printed_and_added_to_the_metrics_line(tmp_path, printe
         lines.append(metrics["health/warnings"])
     observer.close()
     assert lines == [[], [], ["eos_stuck"], ["eos_stuck"]]
-    assert [(w["rule"], w["step"]) for w in printed] == [("eos_stuck", 3)]
-    assert {"message", "cause", "fix", "value", "since"} <= set(printed[0])
+    assert [(what, w["rule"], w["step"]) for what, w in shown] == [("warning", "eos_stuck", 3)]
+    assert {"message", "cause", "fix", "value", "since"} <= set(shown[0][1])
 
 
-def test_a_resumed_run_rebuilds_its_warnings_quietly(tmp_path, printed):
+def test_a_resumed_run_rebuilds_its_warnings_quietly(tmp_path):
     recipe, run = make_run(tmp_path, rows=6)
-    observer = RunObserver(recipe, run, resumed_at=6)
+    shown = Shown()
+    observer = RunObserver(recipe, run, resumed_at=6, show=shown)
     assert observer.monitor.active == ["eos_stuck"]  # from the metrics already logged
     metrics = {"step": 7, "eos_rate": 0.0}
     observer.observe(metrics, 7)
     observer.close()
-    assert printed == [] and metrics["health/warnings"] == ["eos_stuck"]  # announced before the resume
+    assert shown == [] and metrics["health/warnings"] == ["eos_stuck"]  # announced before the resume
 
 
 @pytest.mark.slow
-def test_finish_adds_throughput_warnings_and_existing_files(tmp_path, printed):
+def test_finish_adds_throughput_warnings_and_existing_files(tmp_path):
     pytest.importorskip("matplotlib")
     recipe, run = make_run(tmp_path, 4, "logging.tensorboard=true")
     observer = RunObserver(recipe, run)
@@ -76,14 +80,14 @@ def test_finish_adds_throughput_warnings_and_existing_files(tmp_path, printed):
     assert "final model" not in files and files["summary"] == str(run.summary)  # final/ was never written
 
 
-def test_finish_without_matplotlib_notes_it_and_goes_on(tmp_path, printed, monkeypatch):
+def test_finish_without_matplotlib_notes_it_and_goes_on(tmp_path, monkeypatch):
     import sys
 
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
-    notes = []
-    monkeypatch.setattr(report, "note", notes.append)
+    shown = Shown()
     recipe, run = make_run(tmp_path, 2)
-    extra = RunObserver(recipe, run).finish({"episodes": 1, "seconds": 1.0})
+    extra = RunObserver(recipe, run, show=shown).finish({"episodes": 1, "seconds": 1.0})
     assert "learning curves" not in extra["files"]
-    assert len(notes) == 1 and "matplotlib" in notes[0] and "pip install" in notes[0]
+    notes = [data["message"] for data in shown.of("note")]
+    assert len(shown) == 1 and "matplotlib" in notes[0] and "pip install" in notes[0]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from ppo_cli.errors import EXIT_DOES_NOT_FIT
-from ppo_cli.memory import (
+from ppo_cli.plan_memory import (
     CPU_HEAP_RETENTION,
     GB,
     QUANT_BYTES,
@@ -171,7 +171,7 @@ def test_no_critic_counts_nothing_for_the_value(model_dir):
 
 @pytest.mark.slow
 def test_frozen_value_model_on_the_reward_model_costs_no_second_copy(tiny_models, tmp_path):
-    from ppo_cli.memory import settings_from_recipe
+    from ppo_cli.plan_memory import settings_from_recipe
     from ppo_cli.recipe_loading import load_recipe
 
     sets = {"value.kind": "model", "value.init_from": "reward", "value.train_backbone": "false"}

@@ -1,4 +1,4 @@
-"""What `ppo eval` and `ppo compare` print beside their tables."""
+"""What `ppo train`, `ppo eval` and `ppo compare` print beside their tables."""
 
 from __future__ import annotations
 
@@ -28,3 +28,27 @@ def test_negative_kl_is_explained_and_a_positive_one_is_not():
 def test_eval_says_when_it_replaced_an_existing_summary():
     assert printed(eval_summary(0.1), out="eval-base.json", replaced=True)[-1] == "wrote eval-base.json (replacing the previous file)"
     assert printed(eval_summary(0.1), out="eval-base.json")[-1] == "wrote eval-base.json"
+
+
+def test_train_screen_draws_what_a_run_shows_as_plain_lines_off_a_terminal(monkeypatch):
+    monkeypatch.setattr(report.console, "_force_terminal", False)  # a log file, as under a job scheduler
+    screen = report.TrainScreen()
+    warning = {"rule": "eos_stuck", "step": 2, "since": 2, "message": "no response ended", "cause": "c", "fix": "f",
+               "value": 0.0}
+    with report.console.capture() as capture:
+        screen("loading", {"name": "demo", "precision": "float32"})
+        screen("start", {"total": 3, "step": 1, "log_every": 2})
+        for step in (2, 3):
+            screen("update", {"step": step, "objective/scores": 0.5, "eos_rate": 0.25})
+        screen("warning", warning)
+        screen("end", {})
+        screen("resumed", {"checkpoint": "runs/demo/checkpoints/step-000001", "step": 1})
+    assert capture.get().splitlines() == [
+        "loading models for demo (float32) ...",
+        "update 2/3  score +0.50  eos 25%",  # log_every 2: update 3 is drawn on a terminal only
+        "warning update 2: no response ended  [eos_stuck]",
+        "  likely cause: c",
+        "  fix: f",
+        "resumed from runs/demo/checkpoints/step-000001 at update 1",
+    ]
+    assert screen.progress is None  # "end" closed the bar

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ppo_cli.auto import ValueSettings, value_kind, value_model_path, value_settings
-from ppo_cli.memory import settings_from_recipe
+from ppo_cli.plan_memory import settings_from_recipe
 from ppo_cli.recipe_loading import load_recipe
 
 TOKENIZER = {"version": "1.0", "truncation": None, "padding": None,

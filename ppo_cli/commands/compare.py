@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ppo_cli.commands.eval import describe_run, evaluate_model, summarize_rows
-from ppo_cli.commands.rollout import Progress, SamplingSettings
+from ppo_cli.commands.eval import describe_run, evaluate_model
+from ppo_cli.evaluation import Progress, SamplingSettings, summarize_rows
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
 

@@ -1,8 +1,8 @@
 """`ppo eval`: sample, score and summarise one model on a set of prompts.
 
 It is `ppo rollout` (``sample_rows``) then `ppo score` (``score_rows``) in one process, plus the KL
-to the reference; so rollout -> score on the same prompts, seed and settings gives the same mean
-reward as eval.
+to the reference (all three in evaluation.py); so rollout -> score on the same prompts, seed and
+settings gives the same mean reward as eval.
 """
 
 from __future__ import annotations
@@ -11,8 +11,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.commands.rollout import Progress, SamplingSettings, generation_settings, model_path, sample_rows
-from ppo_cli.commands.score import score_rows
+from ppo_cli.evaluation import (
+    Progress,
+    SamplingSettings,
+    generation_settings,
+    model_path,
+    sample_rows,
+    score_rows,
+    summarize_rows,
+)
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
 
@@ -21,23 +28,6 @@ from ppo_cli.recipe import Recipe
 class EvalResult:
     summary: dict  # JSON-ready: settings and metrics (see summarize_rows)
     out: Path | None
-
-
-def summarize_rows(rows: list[dict]) -> dict:
-    """Metrics of scored rows (each with reward, reward_components, finished, response, response_tokens, kl)."""
-    from ppo_cli.stats import distinct_n, mean, summarize
-
-    rewards = [r["reward"] for r in rows]
-    names = list(rows[0]["reward_components"]) if rows else []
-    return {
-        "reward": summarize(rewards),
-        "reward_components": {n: mean([r["reward_components"][n] for r in rows]) for n in names},
-        "eos_rate": mean([1.0 if r["finished"] else 0.0 for r in rows]),
-        "response_length": mean([float(r["response_tokens"]) for r in rows]),
-        "kl": mean([r["kl"] for r in rows]) if rows and "kl" in rows[0] else None,
-        "distinct_1": distinct_n([r["response"] for r in rows], 1),
-        "distinct_2": distinct_n([r["response"] for r in rows], 2),
-    }
 
 
 def evaluate_model(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings,

@@ -85,7 +85,7 @@ def command_prompts(path, field, recipe) -> tuple[list[str], str]:
 
 
 def sampling_settings(recipe, num_samples: int, batch_size: int | None):
-    from ppo_cli.commands.rollout import SamplingSettings
+    from ppo_cli.evaluation import SamplingSettings
 
     return SamplingSettings(recipe.seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
 

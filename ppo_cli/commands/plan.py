@@ -1,4 +1,4 @@
-"""`ppo plan`: the memory a recipe needs (ppo_cli/memory.py's arithmetic), against a budget, as a table
+"""`ppo plan`: the memory a recipe needs (ppo_cli/plan_memory.py's arithmetic), against a budget, as a table
 with the changes that would make it fit.
 
 Importing this module does not import torch; ``run()`` does (for the meta-device models).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from ppo_cli.memory import (
+from ppo_cli.plan_memory import (
     GB,
     Estimate,
     Settings,
@@ -59,7 +59,7 @@ def prompt_tokens(recipe: Recipe, limit: int = 2000) -> tuple[int, str]:
 def check_sharding(processes: int, sharding: str) -> None:
     """--num-processes / --sharding: one line naming the problem and the fix."""
     from ppo_cli.errors import UsageError
-    from ppo_cli.memory import SHARDING
+    from ppo_cli.plan_memory import SHARDING
 
     if processes < 1:
         raise UsageError(f"--num-processes must be at least 1, got {processes}", hint="give the number of GPUs, e.g. --num-processes 4")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
 from ppo_cli.errors import DataError
+from ppo_cli.evaluation import score_rows
 from ppo_cli.recipe import Recipe
 
 
@@ -48,21 +49,6 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
 
 
 _KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", (str, list): "a string or a list of messages"}
-
-
-def score_rows(reward, rows: list[dict]) -> list[dict]:
-    """Copies of ``rows`` with ``reward`` (the total) and ``reward_components`` (name -> value,
-    penalties as negative numbers) from one RewardStack.score call over all rows."""
-    result = reward.score(
-        [r["prompt"] for r in rows],
-        [r["response"] for r in rows],
-        [bool(r.get("finished", True)) for r in rows],
-        [int(r.get("response_tokens", 0)) for r in rows],
-    )
-    return [
-        {**row, "reward": float(total), "reward_components": {name: float(values[i]) for name, values in result.components.items()}}
-        for i, (row, total) in enumerate(zip(rows, result.scores))
-    ]
 
 
 def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:

@@ -7,7 +7,6 @@ function, output directory, checkpoint to resume) runs before the first model is
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import random
@@ -17,21 +16,33 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from ppo_cli.errors import CheckpointError, Interrupted, PpoError, UsageError
+from ppo_cli.errors import Interrupted, PpoError, UsageError
 from ppo_cli.recipe import Recipe
-from ppo_cli.recipe_loading import dump_resolved, load_recipe
+from ppo_cli.recipe_loading import dump_resolved
+
+Show = Callable[[str, dict], None]
+"""What a run shows people, as ``show(what, data)`` calls from the main process (the CLI draws them;
+nothing here prints):
+
+    "loading"  {"name", "precision"}           before the models load
+    "resumed"  {"checkpoint", "step"}          a resumed run's checkpoint, loaded
+    "start"    {"total", "step", "log_every"}  the updates begin (at ``step``)
+    "update"   the update's metrics            after each update
+    "warning"  a health warning (monitor.HealthWarning as a dict)
+    "note"     {"message"}                     a side remark (e.g. no plot drawn)
+    "end"      {}                              the updates are over, finished or not
+"""
+
+
+def show_nothing(what: str, data: dict) -> None:
+    """The default ``show``: a run called from code draws nothing."""
 
 # Seconds past train.collective_timeout_s before the watchdog ends a process stuck in one collective
 # (gloo raises at the timeout itself), and that a process leaving after a timeout may take.
 WATCHDOG_GRACE_S = 60
 EXIT_GRACE_S = 30
-
-# Keys that may change between a run and its resume: how long it runs and how it logs.
-RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
-                     "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
-                     "train.num_threads", "train.fsdp_rollout", "train.collective_timeout_s", "monitor.", "logging.")
-
 
 @dataclass
 class TrainResult:
@@ -81,160 +92,7 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     return prompts, eval_prompts
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
-    """'key: saved -> new' for every setting that changes what the run computes."""
-    old_flat, new_flat = _flatten(saved.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
-    keys = sorted(set(old_flat) | set(new_flat))
-    return [
-        f"{key}: {old_flat.get(key)!r} -> {new_flat.get(key)!r}"
-        for key in keys
-        if old_flat.get(key) != new_flat.get(key) and not key.startswith(RESUMABLE_CHANGES)
-    ]
-
-
-def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:
-    """The checkpoint to resume: 'latest' (or the run directory) or one checkpoints/step-N of this run."""
-    from ppo_cli.checkpoint import check_same_launcher, latest_checkpoint, verify_manifest
-    from ppo_cli.runs import RunDir
-
-    run = RunDir(recipe.run_dir)
-    if not run.is_run():
-        raise UsageError(f"no run to resume at {run.path}",
-                         hint="drop --resume to start it, or set name and output_dir to those of the run to continue")
-    if resume == "latest" or Path(resume).resolve() == run.path.resolve():
-        checkpoint = latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
-        _check_not_complete(run, recipe.train.total_updates, checkpoint is not None)  # a named checkpoint may redo updates
-        if checkpoint is None:
-            raise UsageError(
-                f"no complete checkpoint to resume in {run.checkpoints}",
-                hint="checkpoints are written only with train.save_every > 0; start again with --overwrite "
-                     "(and set train.save_every), or " + _start_from_final(run),
-            )
-    else:
-        checkpoint = Path(resume)
-        if not checkpoint.is_dir():
-            raise UsageError(f"checkpoint not found: {resume}", hint=f"give a directory under {run.checkpoints}")
-        if checkpoint.resolve() == run.final.resolve():
-            raise UsageError(f"{resume} holds the trained weights but no optimizer, scheduler or data state, "
-                             "so a run cannot resume from it", hint=_start_from_final(run))
-        if checkpoint.resolve().parent != run.checkpoints.resolve():
-            raise UsageError(f"{resume} is not a checkpoint of run {run.path}",
-                             hint="resume with the recipe (name, output_dir) of the run it belongs to")
-    verify_manifest(checkpoint)
-    from ppo_cli.distributed import launched_with_deepspeed
-
-    check_same_launcher(checkpoint, launched_with_deepspeed())
-    if not run.recipe.exists():
-        raise CheckpointError(f"{run.recipe} is missing, so the run cannot be resumed safely")
-    differences = recipe_differences(load_recipe(run.recipe), recipe)
-    if differences and not force:
-        raise UsageError(
-            f"the recipe differs from the one the run started with: {'; '.join(differences)}",
-            hint="resume with the same recipe, or pass --force to accept the differences",
-        )
-    return checkpoint
-
-
-def _start_from_final(run) -> str:
-    """How to train further from a run's result when it cannot be resumed: a new run that starts there."""
-    return (f"train further from its result in a new run: --set policy.adapter={run.final} (a LoRA run) or "
-            f"--set policy.path={run.final} (full weights), with another name")
-
-
-def _check_not_complete(run, total_updates: int, has_checkpoints: bool = True) -> None:
-    """A run whose final/ already holds update ``total_updates`` has nothing left to resume."""
-    info = run.final / "ppo_cli.json"
-    try:
-        done = int(json.loads(info.read_text(encoding="utf-8"))["step"]) if info.exists() else None
-    except (OSError, ValueError, KeyError, TypeError):
-        done = None
-    if done is not None and done >= total_updates:
-        further = (f"raise train.total_updates to train further (--set train.total_updates={done * 2})" if has_checkpoints
-                   else "it wrote no checkpoints (train.save_every: 0), so it cannot continue; " + _start_from_final(run))
-        raise UsageError(f"run {run.path} is already complete ({done}/{total_updates} updates)",
-                         hint=f"{further}; or start a new run with --overwrite or another name")
-
-
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines written after the checkpoint, so a resumed run never duplicates a step."""
-    from ppo_cli.runs import atomic_write_text
-
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    atomic_write_text(path, "".join(kept))
-
-
 # --- the run -------------------------------------------------------------------------------------
-
-
-def share_of(items: list, rank: int, world_size: int) -> list:
-    """Process ``rank``'s contiguous share of ``items`` (sizes differ by at most one, possibly empty):
-    concatenated in rank order, the shares are ``items``."""
-    per, extra = divmod(len(items), world_size)
-    start = rank * per + min(rank, extra)
-    return items[start:start + per + (1 if rank < extra else 0)]
-
-
-def _evaluate_share(engine, prompts: list[str], seed: int) -> dict:
-    """Responses and per-response numbers for ``prompts``, sampled alone (no collective: the caller
-    holds the full parameters) with the torch RNG seeded to ``seed``."""
-    import torch
-
-    from ppo_cli.commands.rollout import sequence_kl
-
-    if not prompts:
-        return {"responses": [], "scores": [], "finished": torch.zeros(0, dtype=torch.bool),
-                "lengths": torch.zeros(0, dtype=torch.long), "kl": torch.zeros(0)}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        generation = engine.generate(prompts)
-        responses = engine.decode_responses(generation)
-        result = engine.score(prompts, responses, generation)
-        kl = sequence_kl(engine, generation)
-    return {"responses": responses, "scores": list(result.scores), "finished": generation.finished,
-            "lengths": generation.response_lengths, "kl": kl}
-
-
-def evaluate(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
-    """Mean score, EOS rate, length and KL to the reference (summed over each response, as `ppo eval`
-    reports it) on held-out prompts, sampled with a fixed seed.
-
-    Collective with ``dist``: every process samples its share of the prompts (share_of) with the seed
-    plus its rank, so one process computes exactly what it always did; the main process gets every
-    prompt's result in the prompts' order, the others None. Under FSDP or ZeRO-3 call it inside
-    ``dist.full_parameters``: generation then needs no communication."""
-    import torch
-
-    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    mine = _evaluate_share(engine, share_of(prompts, rank, world_size), seed + rank)
-    if world_size > 1:
-        parts = dist.gather_objects({k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
-        if not dist.is_main:
-            return None
-        mine = {k: torch.cat([p[k] for p in parts]) if torch.is_tensor(mine[k]) else [x for p in parts for x in p[k]]
-                for k in mine}
-    return {
-        "score": sum(mine["scores"]) / len(mine["scores"]),
-        "eos_rate": mine["finished"].float().mean().item(),
-        "response_length": mine["lengths"].float().mean().item(),
-        "kl": mine["kl"].mean().item(),
-        "samples": [
-            {"prompt": p, "response": r, "score": s, "finished": bool(f)}
-            for p, r, s, f in zip(prompts, mine["responses"], mine["scores"], mine["finished"].tolist())
-        ],
-    }
 
 
 class StopOnSignal:
@@ -270,10 +128,9 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
         })
 
 
-def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
+def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path, show: Show):
     """Updates until the end; metrics, samples, health warnings and progress from the main process only.
     Returns the main process's RunObserver (None elsewhere)."""
-    from ppo_cli import report
     from ppo_cli.checkpoint import save_checkpoint
     from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.observe import RunObserver
@@ -283,32 +140,34 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path):
     recipe, main = state.recipe, state.dist.is_main
     metrics_writer = JsonlWriter(run_dir.metrics) if main else None
     samples_writer = JsonlWriter(run_dir.samples) if main else None
-    progress = report.TrainProgress(recipe.train.total_updates, state.step, recipe.train.log_every, enabled=main)
-    observer = RunObserver(recipe, run_dir, resumed_at=state.step) if main else None
+    observer = RunObserver(recipe, run_dir, resumed_at=state.step, show=show) if main else None
+    if main:
+        show("start", {"total": recipe.train.total_updates, "step": state.step, "log_every": recipe.train.log_every})
     try:
-        with progress:
-            for metrics, rollout in train(state):
-                if main:
-                    observer.observe(metrics, state.step)  # prints new health warnings, adds health/warnings
-                    if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
-                        metrics_writer.write(metrics)
-                        observer.log(metrics, state.step)
-                    _write_samples(samples_writer, recipe, state.step, rollout)
-                    progress.update(metrics)
-                last = state.step == recipe.train.total_updates
-                stopping = state.dist.any(stop.requested)  # every process stops after the same update
-                due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
-                # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
-                # The last update is checkpointed too when due, so raising total_updates resumes after it.
-                if due and state.consecutive_skips == 0:
-                    enter_phase("checkpoint")
-                    save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
-                if stopping and not last:
-                    raise Interrupted(
-                        f"interrupted after update {state.step}; checkpoint saved",
-                        hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
-                    )
+        for metrics, rollout in train(state):
+            if main:
+                observer.observe(metrics, state.step)  # shows new health warnings, adds health/warnings
+                if state.step % recipe.train.log_every == 0 or state.step == recipe.train.total_updates:
+                    metrics_writer.write(metrics)
+                    observer.log(metrics, state.step)
+                _write_samples(samples_writer, recipe, state.step, rollout)
+                show("update", metrics)
+            last = state.step == recipe.train.total_updates
+            stopping = state.dist.any(stop.requested)  # every process stops after the same update
+            due = (recipe.train.save_every and state.step % recipe.train.save_every == 0) or stopping
+            # A skipped update is not checkpointed: the newest checkpoint stays the last good state.
+            # The last update is checkpointed too when due, so raising total_updates resumes after it.
+            if due and state.consecutive_skips == 0:
+                enter_phase("checkpoint")
+                save_checkpoint(state, run_dir.checkpoints, recipe.train.keep_checkpoints)
+            if stopping and not last:
+                raise Interrupted(
+                    f"interrupted after update {state.step}; checkpoint saved",
+                    hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
+                )
     finally:
+        if main:
+            show("end", {})
         for writer in (metrics_writer, samples_writer, observer):
             if writer is not None:
                 writer.close()
@@ -335,6 +194,7 @@ def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
 def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
     """Held-out scores of the starting policy, saved so a resumed run reports the same 'before'.
     Collective: every process takes its share (None on the others)."""
+    from ppo_cli.evaluation import held_out
     from ppo_cli.runs import atomic_write_text
 
     path = run_dir.path / "eval_before.json"
@@ -342,7 +202,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
         return None
     if dist.gather_objects(path.exists())[0]:  # the main process's view, so all skip or none
         return json.loads(path.read_text()) if dist.is_main else None
-    before = evaluate(engine, eval_prompts, recipe.seed, dist)
+    before = held_out(engine, eval_prompts, recipe.seed, dist)
     if dist.is_main:
         atomic_write_text(path, json.dumps(before, indent=2))
     return before
@@ -400,8 +260,8 @@ def advice_from_plan(err, recipe, recipe_path: Path | None, device):
     import shlex
 
     from ppo_cli.commands import plan
-    from ppo_cli.memory import model_shapes, suggestions
-    from ppo_cli.memory_errors import OutOfMemory, machine_memory_gb
+    from ppo_cli.plan_memory import model_shapes, suggestions
+    from ppo_cli.resource_errors import OutOfMemory, machine_memory_gb
 
     try:
         result = plan.run(recipe, device=device.type)
@@ -423,9 +283,11 @@ def advice_from_plan(err, recipe, recipe_path: Path | None, device):
 
 
 def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False, merge: bool = False,
-        resume: str | None = None, force: bool = False) -> TrainResult:
+        resume: str | None = None, force: bool = False, show: Show = show_nothing) -> TrainResult:
+    """Train as the recipe says; what happens along the way reaches people through ``show`` (Show)."""
     if resume is not None and overwrite:
         raise UsageError("--resume and --overwrite cannot be used together", hint="--resume continues a run; --overwrite replaces it")
+    from ppo_cli.resume import find_resume_checkpoint
     from ppo_cli.runs import RunDir, check_run_dir
 
     prompts, eval_prompts = preflight(recipe)
@@ -442,7 +304,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     # line and exits; the launcher then stops the others.
     watchdog = collectives.Watchdog(timeout + WATCHDOG_GRACE_S, timeout).start() if several else None
     try:
-        return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge)
+        return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge, show)
     except RuntimeError as err:
         mapped = collectives.as_collective_error(err, timeout) if several else None
         if mapped is None:
@@ -461,18 +323,19 @@ def _gathered_for_evaluation(dist, model, eval_prompts: list[str]):
 
 
 def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite: bool,
-                   merge: bool) -> TrainResult:
+                   merge: bool, show: Show) -> TrainResult:
     """run() from the process group on: every process runs all of it (collectives inside)."""
     import numpy as np
     import torch
 
-    from ppo_cli import report
     from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state
     from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.distributed import Distributed
-    from ppo_cli.engine.session import load_engine
-    from ppo_cli.memory_errors import OutOfMemory
-    from ppo_cli.memory_errors import phase as memory_phase
+    from ppo_cli.engine.engine import load_engine
+    from ppo_cli.evaluation import held_out
+    from ppo_cli.resource_errors import OutOfMemory
+    from ppo_cli.resource_errors import phase as memory_phase
+    from ppo_cli.resume import truncate_jsonl
     from ppo_cli.runs import discard_unstarted_run
     from ppo_cli.trainer import init_state
 
@@ -483,7 +346,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     started = time.perf_counter()
     if dist.is_main:
-        report.console.print(f"loading models for [bold]{recipe.name}[/] ({dist.precision.describe()}) ...", soft_wrap=True)
+        show("loading", {"name": recipe.name, "precision": dist.precision.describe()})
     try:
         with memory_phase("loading the models"):
             engine = load_engine(recipe, dist.device, dist.mixed_precision)
@@ -496,15 +359,15 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     if checkpoint is not None:
         load_training_state(state, checkpoint)
         if dist.is_main:
-            _truncate_jsonl(run_dir.metrics, state.step)
-            _truncate_jsonl(run_dir.samples, state.step)
-            report.console.print(f"resumed from {checkpoint} at update {state.step}")
+            truncate_jsonl(run_dir.metrics, state.step)
+            truncate_jsonl(run_dir.samples, state.step)
+            show("resumed", {"checkpoint": str(checkpoint), "step": state.step})
     try:
         enter_phase("evaluation")
         with _gathered_for_evaluation(dist, state.model, eval_prompts):
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
-            observer = _train_loop(state, run_dir, stop, recipe_path)
+            observer = _train_loop(state, run_dir, stop, recipe_path, show)
     except BaseException as err:
         if footprint is not None and state.step == 0:
             discard_unstarted_run(run_dir, footprint)  # no update finished: leave no run to block or mislead
@@ -514,7 +377,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     enter_phase("evaluation")
     with _gathered_for_evaluation(dist, state.model, eval_prompts):
-        after = evaluate(engine, eval_prompts, recipe.seed, dist) if eval_prompts else None
+        after = held_out(engine, eval_prompts, recipe.seed, dist) if eval_prompts else None
     enter_phase("checkpoint")
     full_state = gathered_model_state(state)  # FSDP: what trains, whole, gathered by every process
     # FSDP: final/ is written from full_state (--merge reloads the base from disk), so the sharded

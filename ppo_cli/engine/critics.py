@@ -35,7 +35,7 @@ VALUE_HEAD_LR_WIDTH = 4.0  # value.kind head's default lr = this / hidden_size (
 
 
 class CriticMemory(NamedTuple):
-    """A critic kind's part of ``ppo plan`` (ppo_cli/memory.py)."""
+    """A critic kind's part of ``ppo plan`` (ppo_cli/plan_memory.py)."""
 
     static: list  # Lines held for the whole run (weights, adapter)
     update: list  # Lines of the update's activations

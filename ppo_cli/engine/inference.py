@@ -22,7 +22,7 @@ from ppo_cli.engine.models import (
 )
 from ppo_cli.engine.precision import check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards import RewardStack
-from ppo_cli.engine.session import Engine, quiet_libraries
+from ppo_cli.engine.engine import Engine, quiet_libraries
 from ppo_cli.errors import ModelLoadError, first_line
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe

@@ -24,7 +24,7 @@ import torch
 from ppo_cli.checkpoint import save_final
 from ppo_cli.engine.chat import tokenize_prompts
 from ppo_cli.engine.models import load_tokenizer
-from ppo_cli.engine.session import Engine, load_engine
+from ppo_cli.engine.engine import Engine, load_engine
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import validate_recipe
 from ppo_cli.trainer import init_state, train_step

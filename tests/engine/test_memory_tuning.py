@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from ppo_cli.engine import session
+from ppo_cli.engine import engine as engine_module
 
 PROBE = """
 import os, sys, torch
-from ppo_cli.engine import session
-session.CPU_MALLOC_TUNING = sys.argv[1] == "on"
-session.keep_freed_memory()
+from ppo_cli.engine import engine as engine_module
+engine_module.CPU_MALLOC_TUNING = sys.argv[1] == "on"
+engine_module.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -48,16 +48,16 @@ def test_freed_block_stays_resident_only_when_tuned():
 @pytest.mark.parametrize("tune", ["keep_freed_memory", "release_freed_memory"])
 def test_switch_off_leaves_malloc_alone(monkeypatch, tune):
     calls = []
-    monkeypatch.setattr(session, "CPU_MALLOC_TUNING", False)
+    monkeypatch.setattr(engine_module, "CPU_MALLOC_TUNING", False)
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
-    getattr(session, tune)()
+    getattr(engine_module, tune)()
     assert calls == []
 
 
 RELEASE_PROBE = """
 import os, sys, torch
-from ppo_cli.engine import session
-session.keep_freed_memory()
+from ppo_cli.engine import engine as engine_module
+engine_module.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -65,7 +65,7 @@ blocks = [torch.ones(8 * 2**20 // 4) for _ in range(32)]  # 256 MB of weight-siz
 held = resident()
 del blocks
 kept = resident()
-session.release_freed_memory()
+engine_module.release_freed_memory()
 print(held - kept, kept - resident())
 """
 

@@ -9,7 +9,7 @@ import torch
 from ppo_cli.engine.actor_critic import policy_forward
 from ppo_cli.engine.logprobs import position_ids_from_mask, selective_log_softmax
 from ppo_cli.engine.models import unwrap_causal_lm
-from ppo_cli.engine.session import load_engine
+from ppo_cli.engine.engine import load_engine
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.trainer import init_state, train_step
 from tests.conftest import ROOT, tiny_overrides

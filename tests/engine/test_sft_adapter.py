@@ -9,7 +9,7 @@ import torch
 
 from ppo_cli.engine.inference import load_inference_engine
 from ppo_cli.engine.logprobs import position_ids_from_mask, selective_log_softmax
-from ppo_cli.engine.session import load_engine
+from ppo_cli.engine.engine import load_engine
 from ppo_cli.model_refs import resolve_model_reference
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 from ppo_cli.trainer import init_state, train_step

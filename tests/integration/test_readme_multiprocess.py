@@ -153,7 +153,7 @@ def test_a_stalled_process_ends_the_run_with_one_line_and_an_intact_checkpoint(t
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
 
     from ppo_cli.checkpoint import latest_checkpoint, verify_manifest
-    from ppo_cli.commands.train import find_resume_checkpoint
+    from ppo_cli.resume import find_resume_checkpoint
     from ppo_cli.recipe_loading import load_recipe
 
     assert latest_checkpoint(run / "checkpoints") == run / "checkpoints/step-000002"

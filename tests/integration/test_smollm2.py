@@ -37,7 +37,7 @@ def _recipe(**sets):
 
 def test_the_gguf_file_loads_as_the_same_model_and_tokenizer_as_the_fetched_directory(smollm2, model_and_tokenizer):
     from ppo_cli.engine.models import load_causal_lm, load_tokenizer
-    from ppo_cli.memory import describe_model
+    from ppo_cli.plan_memory import describe_model
 
     model, tokenizer = model_and_tokenizer
     gguf_path = str(smollm2 / GGUF)

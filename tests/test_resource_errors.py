@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from ppo_cli.errors import CheckpointError
-from ppo_cli.memory_errors import OutOfMemory, disk_space_for, is_out_of_memory, phase
+from ppo_cli.resource_errors import OutOfMemory, disk_space_for, is_out_of_memory, phase
 from tests.conftest import ROOT, tiny_overrides
 
 RECIPE = str(ROOT / "recipes" / "tiny_sentiment.yaml")
@@ -111,7 +111,7 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_one_and_resume_works(tiny_
 
 def test_errno_less_failures_of_torch_save_and_safetensors_are_recognised(tmp_path):
     """What torch.save (no errno) and safetensors (errno in the text) raise on a full disk, as seen on a 3 MB tmpfs."""
-    from ppo_cli.memory_errors import write_failure
+    from ppo_cli.resource_errors import write_failure
 
     torch_writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
     torch_writer.__context__ = RuntimeError("basic_ios::clear: iostream error")

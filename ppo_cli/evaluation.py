@@ -1,0 +1,153 @@
+"""Held-out evaluation, one piece of code for `ppo rollout`, `ppo eval`, `ppo compare` and the before
+/ after numbers of `ppo train`: sample rows (``sample_rows``), score them with the recipe's reward
+(``score_rows``), summarise them (``summarize_rows``).
+
+Same model, prompts, seed and settings -> the same responses: prompts repeated ``num_samples`` times,
+split into batches of ``batch_size``, torch seeded once with ``seed`` before the first batch (the
+caller's random state is left as it was). Scoring all rows in one RewardStack.score call makes
+rollout -> score give the numbers eval gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ppo_cli.model_refs import ResolvedModel
+from ppo_cli.recipe import Recipe
+
+Progress = Callable[[int], None]  # called with the number of rows just finished
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    seed: int
+    num_samples: int = 1  # responses per prompt
+    batch_size: int = 16  # prompts per generate() call
+
+
+def generation_settings(recipe: Recipe) -> dict:
+    """The sampling settings a row records, so a rollout file says how it was made."""
+    gen = recipe.generation
+    return {"backend": gen.backend, "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
+            "top_p": gen.top_p, "stop_token": gen.stop_token, "chat_template": recipe.data.chat_template,
+            "system_prompt": recipe.data.system_prompt, "max_prompt_tokens": recipe.data.max_prompt_tokens}
+
+
+def model_path(model: ResolvedModel) -> str:
+    """The directory a row names as its model: the adapter's, else the weights'."""
+    return str(model.adapter_dir) if model.adapter_dir is not None else model.weights_path
+
+
+def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], settings: SamplingSettings, *,
+                with_kl: bool = False, progress: Progress | None = None) -> list[dict]:
+    """Sample ``settings.num_samples`` responses per prompt; one row dict per (prompt, sample), naming
+    ``model`` when given (a rollouts file says which model wrote it).
+
+    With ``with_kl`` each row also gets ``kl``: sum over its response tokens of the k1 estimate
+    log pi(y_t) - log pi_ref(y_t), from the same log-prob code as training.
+    """
+    import torch
+
+    episodes = [(i, s, p) for i, p in enumerate(prompts) for s in range(settings.num_samples)]
+    common = {"seed": settings.seed, "generation": generation_settings(engine.recipe)}
+    if model is not None:
+        common = {"model": model.reference, "model_path": model_path(model), **common}
+    rows: list[dict] = []
+    with torch.random.fork_rng(devices=[]):  # training goes on with the random state it had
+        torch.manual_seed(settings.seed)
+        for start in range(0, len(episodes), settings.batch_size):
+            batch = episodes[start : start + settings.batch_size]
+            generation = engine.generate([p for _, _, p in batch])
+            responses = engine.decode_responses(generation)
+            kl = sequence_kl(engine, generation).tolist() if with_kl else None
+            prompt_tokens = generation.prompt_mask.sum(dim=1).tolist()
+            response_tokens = generation.response_lengths.tolist()
+            for j, (index, sample, prompt) in enumerate(batch):
+                row = {"prompt": prompt, "response": responses[j], "finished": bool(generation.finished[j]),
+                       "prompt_tokens": int(prompt_tokens[j]), "response_tokens": int(response_tokens[j]),
+                       "prompt_index": index, "sample": sample, **common}
+                if kl is not None:
+                    row["kl"] = float(kl[j])
+                rows.append(row)
+            if progress is not None:
+                progress(len(batch))
+    return rows
+
+
+def sequence_kl(engine, generation):
+    """(B,) KL to the reference per response: sum_t k1_t over the response mask."""
+    from ppo_cli.algo.kl import kl_penalty
+
+    logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
+    kl = kl_penalty(logprobs, ref_logprobs, "k1").masked_fill(~generation.response_mask, 0.0)  # (B, T)
+    return kl.sum(dim=1)
+
+
+def score_rows(reward, rows: list[dict]) -> list[dict]:
+    """Copies of ``rows`` with ``reward`` (the total) and ``reward_components`` (name -> value,
+    penalties as negative numbers) from one RewardStack.score call over all rows."""
+    if not rows:
+        return []
+    result = reward.score(
+        [r["prompt"] for r in rows],
+        [r["response"] for r in rows],
+        [bool(r.get("finished", True)) for r in rows],
+        [int(r.get("response_tokens", 0)) for r in rows],
+    )
+    return [
+        {**row, "reward": float(total), "reward_components": {name: float(values[i]) for name, values in result.components.items()}}
+        for i, (row, total) in enumerate(zip(rows, result.scores))
+    ]
+
+
+def summarize_rows(rows: list[dict]) -> dict:
+    """Metrics of scored rows (each with reward, reward_components, finished, response, response_tokens, kl)."""
+    from ppo_cli.stats import distinct_n, mean, summarize
+
+    rewards = [r["reward"] for r in rows]
+    names = list(rows[0]["reward_components"]) if rows else []
+    return {
+        "reward": summarize(rewards),
+        "reward_components": {n: mean([r["reward_components"][n] for r in rows]) for n in names},
+        "eos_rate": mean([1.0 if r["finished"] else 0.0 for r in rows]),
+        "response_length": mean([float(r["response_tokens"]) for r in rows]),
+        "kl": mean([r["kl"] for r in rows]) if rows and "kl" in rows[0] else None,
+        "distinct_1": distinct_n([r["response"] for r in rows], 1),
+        "distinct_2": distinct_n([r["response"] for r in rows], 2),
+    }
+
+
+def share_of(items: list, rank: int, world_size: int) -> list:
+    """Process ``rank``'s contiguous share of ``items`` (sizes differ by at most one, possibly empty):
+    concatenated in rank order, the shares are ``items``."""
+    per, extra = divmod(len(items), world_size)
+    start = rank * per + min(rank, extra)
+    return items[start:start + per + (1 if rank < extra else 0)]
+
+
+def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
+    """`ppo train`'s before / after numbers: mean score, EOS rate, length and KL to the reference
+    (summed over each response) on the held-out prompts, one response each, sampled with a fixed seed
+    and scored by the training engine's reward, as `ppo eval` samples and scores.
+
+    Collective with ``dist``: every process samples its share of the prompts (share_of) in one batch
+    with the seed plus its rank, so one process computes exactly what it always did; the main process
+    gets every prompt's result in the prompts' order, the others None. Under FSDP or ZeRO-3 call it
+    inside ``dist.full_parameters``: generation then needs no communication."""
+    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    share = share_of(prompts, rank, world_size)
+    settings = SamplingSettings(seed + rank, num_samples=1, batch_size=max(len(share), 1))
+    rows = score_rows(engine.reward, sample_rows(engine, None, share, settings, with_kl=True))
+    if world_size > 1:
+        parts = dist.gather_objects(rows)
+        if not dist.is_main:
+            return None
+        rows = [row for part in parts for row in part]
+    summary = summarize_rows(rows)
+    return {
+        "score": summary["reward"]["mean"], "eos_rate": summary["eos_rate"],
+        "response_length": summary["response_length"], "kl": summary["kl"],
+        "samples": [{"prompt": r["prompt"], "response": r["response"], "score": r["reward"], "finished": r["finished"]}
+                    for r in rows],
+    }
