@@ -6,6 +6,7 @@ wall-clock-to-target over many seeds, and peak memory per estimator.
     python benchmarks/bench_estimators.py curves --seeds 0-9 --updates 20 --jobs 2   # tiny reward curves, every arm
     python benchmarks/bench_estimators.py memory --shape tiny --updates 3            # peak memory, a fresh process per arm
     python benchmarks/bench_estimators.py memory --shape 0.5b-6l --updates 2         # the same at the 0.5B widths, 6 layers
+    python benchmarks/bench_estimators.py trl --shape tiny --updates 8 --rounds 2    # grpo against TRL's GRPOTrainer
     python benchmarks/bench_estimators.py report [--target 5.0]                      # the tables
 
 Every arm gets 8 episodes per update: PPO 8 prompts x 1 completion; the group estimators 2 prompts x 4
@@ -44,6 +45,7 @@ bench = critic.bench
 
 CURVES = bench.RESULTS / "estimator-curves.jsonl"
 MEMORY = bench.RESULTS / "estimator-memory.jsonl"
+TRL = bench.RESULTS / "estimator-trl.jsonl"
 EPISODES = 8  # per update, every arm
 LR = 1e-3  # the demo's LoRA rate
 # arm -> (ppo.advantage, value kind, extra ppo keys)
@@ -168,7 +170,7 @@ def cmd_memory(args) -> None:
             cfg = arm_config(arm, round_, args.updates, args.group, shape)
             share = bench.CACHE / "recipes" / f"estimator-memory-{shape}-{arm}.json"
             share.parent.mkdir(parents=True, exist_ok=True)
-            share.write_text(json.dumps([cfg, f"est-mem-{shape}-{arm}-r{round_}"]))
+            share.write_text(json.dumps([cfg, f"est-mem-{shape}-{arm}-r{round_}", str(MEMORY)]))
             print(f"[round {round_}] {shape} {arm} (load {bench.load_average():.2f})", flush=True)
             subprocess.run([sys.executable, __file__, "single", str(share)], env=bench.env(), cwd=ROOT, check=True,
                            stdout=subprocess.DEVNULL)
@@ -177,12 +179,85 @@ def cmd_memory(args) -> None:
 def cmd_single(args) -> None:
     from ppo_cli.commands.train import peak_memory_gb
 
-    cfg, tag = json.loads(Path(args.share).read_text())
+    cfg, tag, results = json.loads(Path(args.share).read_text())
     out = _timed_train(_write_recipe(cfg, tag))
     out["peak_memory_gb"] = peak_memory_gb()
-    bench.record(out, cfg, "estimator-memory", MEMORY)
+    bench.record(out, cfg, "estimator-single", Path(results))
     print(f"{tag}: peak {out['peak_memory_gb']:.2f} GB, cpu s/update {[round(c, 2) for c in out['cpu_seconds_per_update']]}",
           file=sys.stderr, flush=True)
+
+
+def run_trl_grpo(cfg: dict, tag: str) -> dict:
+    """One TRL GRPOTrainer run (benchmarks/bench_trl_grpo_driver.py in TRL's venv) at the arm's settings."""
+    import subprocess
+    import time
+
+    paths = bench.shape_paths(cfg["shape"])
+    out = bench.CACHE / "trl-out" / f"{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    G = cfg["num_generations"]
+    command = [str(bench.TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "bench_trl_grpo_driver.py"),
+               "--policy", str(paths["policy"]), "--reward", str(paths["reward"]), "--prompts", str(paths["prompts"]),
+               "--lora", "--updates", str(cfg["updates"]), "--prompts-per-update", str(EPISODES // G),
+               "--num-generations", str(G), "--epochs", str(cfg["epochs"]), "--response-length", str(cfg["response_length"]),
+               "--temperature", str(cfg["temperature"]), "--kl-coef", str(cfg["kl_coef"]), "--lr", str(cfg["lr"]),
+               "--seed", str(cfg["seed"]), "--threads", str(cfg["threads"]), "--out", str(out)]
+    if cfg["missing_eos_penalty"] is not None:
+        command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=bench.env(), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["command"] = " ".join(Path(c).name if i == 0 else c for i, c in enumerate(command))
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def cmd_trl(args) -> None:
+    """Rounds of ppo_cli's grpo arm and TRL's GRPOTrainer at the same settings, each a fresh process
+    (``single`` for ours), the order flipped every round so that the machine's load hits both."""
+    import subprocess
+
+    for round_ in range(args.rounds):
+        cfg = arm_config("grpo", round_, args.updates, args.group, args.shape)
+        cfg["threads"] = args.threads
+        for impl in (("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")):
+            tag = f"est-trl-{args.shape}-{impl}-r{round_}"
+            print(f"[round {round_}] {impl} (load {bench.load_average():.2f})", flush=True)
+            if impl == "trl":
+                bench.record(run_trl_grpo(cfg, tag), cfg, "estimator-trl", TRL)
+            else:
+                share = bench.CACHE / "recipes" / f"{tag}.json"
+                share.write_text(json.dumps([cfg, tag, str(TRL)]))
+                subprocess.run([sys.executable, __file__, "single", str(share)], env=bench.env(), cwd=ROOT, check=True,
+                               stdout=subprocess.DEVNULL)
+
+
+def trl_report(warmup: int = 1) -> None:
+    by_impl: dict[tuple[str, str], list[dict]] = {}
+    for r in bench._load(TRL):
+        by_impl.setdefault((r["cfg"]["shape"], r["impl"]), []).append(r)
+    for shape in sorted({s for s, _ in by_impl}):
+        print(f"\nppo_cli grpo against TRL GRPOTrainer, shape {shape} (median s/update after {warmup} warm-up update, "
+              "contended: read the ratio):\n")
+        print("| impl | runs x updates | s/update | CPU s/update | peak GB | mean score/update |")
+        print("|---|---|---|---|---|---|")
+        med = {}
+        for impl in ("trl", "ours"):
+            runs = by_impl.get((shape, impl), [])
+            if not runs:
+                continue
+            spu = statistics.median(s for r in runs for s in r["seconds_per_update"][warmup:])
+            cpu = statistics.median(s for r in runs for s in r["cpu_seconds_per_update"][warmup:])
+            peak = statistics.median(r["peak_memory_gb"] for r in runs)
+            score = statistics.fmean(statistics.fmean(r["scores"]) for r in runs)
+            med[impl] = (spu, cpu, peak)
+            name = f"TRL {runs[0].get('trl_version', '')}" if impl == "trl" else "ppo_cli"
+            print(f"| {name} | {len(runs)} x {len(runs[0]['seconds_per_update'])} | {spu:.2f} | {cpu:.3f} | {peak:.2f} | {score:+.2f} |")
+        if len(med) == 2:
+            (w, c, m), (tw, tc, tm) = med["ours"], med["trl"]
+            print(f"\nours/TRL: wall time per update {w / tw:.2f}, CPU time per update {c / tc:.2f}, peak memory {m / tm:.2f}")
 
 
 def _to_target(per_update: list[float], t: int | None) -> float | None:
@@ -236,6 +311,7 @@ def cmd_report(args) -> None:
         mem = "".join(f" {statistics.median(memory[s, arm]):.2f} |" if (s, arm) in memory else " - |" for s in shapes)
         print(f"| {arm} | {G} x {EPISODES // G} | {len(runs)} | {reached}/{len(runs)} | {critic.censored_median(times, n)} "
               f"| {rmean:.1f} | {ratio('wall')} | {ratio('cpu')} | {ratio('spu')} | {all_:+.2f} | {last:+.2f} | {zero} |{mem}")
+    trl_report()
     if ref:
         print(f"\nupdates-to-target, 95% bootstrap interval of the median's ratio to {args.reference} (seeds resampled):\n")
         for arm, row in rows.items():
@@ -261,6 +337,12 @@ def main(argv=None) -> int:
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--group", type=int, default=4)
+    p = sub.add_parser("trl")
+    p.add_argument("--shape", default="tiny")
+    p.add_argument("--updates", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("single")
     p.add_argument("share", help="a JSON [cfg, tag] written by memory")
     p = sub.add_parser("report")
@@ -271,7 +353,7 @@ def main(argv=None) -> int:
     from ppo_cli.engine.precision_probe import machine_record
 
     print(f"machine: {machine_record()}", flush=True)  # every figure below was measured on it
-    {"curves": cmd_curves, "worker": cmd_worker, "memory": cmd_memory, "single": cmd_single,
+    {"curves": cmd_curves, "worker": cmd_worker, "memory": cmd_memory, "single": cmd_single, "trl": cmd_trl,
      "report": cmd_report}[args.command](args)
     return 0
 
