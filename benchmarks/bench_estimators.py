@@ -159,11 +159,16 @@ def cmd_worker(args) -> None:
         print(f"{tag}: to target {critic.updates_to_target(out['scores'])}, {out['wall_s']:.1f} s", flush=True)
 
 
+def resolve_shape(shape: str) -> str:
+    """tiny and 0.5b as bench_vs_trl.py builds them; 0.5b-<N>l built here on first use (bench_critic.py)."""
+    return shape if shape in ("tiny", "0.5b") else critic.shallow_models(int(shape.split("-")[1][:-1]))
+
+
 def cmd_memory(args) -> None:
     """Every arm in a fresh process (``single``), the order reversed every round."""
     import subprocess
 
-    shape = args.shape if args.shape in ("tiny", "0.5b") else critic.shallow_models(int(args.shape.split("-")[1][:-1]))
+    shape = resolve_shape(args.shape)
     arms = args.arms.split(",") if args.arms else [a for a in ARMS if a != "reinforce-pp-g1"]
     for round_ in range(args.rounds):
         for arm in (reversed(arms) if round_ % 2 else arms):
@@ -219,11 +224,12 @@ def cmd_trl(args) -> None:
     (``single`` for ours), the order flipped every round so that the machine's load hits both."""
     import subprocess
 
+    shape = resolve_shape(args.shape)
     for round_ in range(args.rounds):
-        cfg = arm_config("grpo", round_, args.updates, args.group, args.shape)
+        cfg = arm_config("grpo", round_, args.updates, args.group, shape)
         cfg["threads"] = args.threads
         for impl in (("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")):
-            tag = f"est-trl-{args.shape}-{impl}-r{round_}"
+            tag = f"est-trl-{shape}-{impl}-r{round_}"
             print(f"[round {round_}] {impl} (load {bench.load_average():.2f})", flush=True)
             if impl == "trl":
                 bench.record(run_trl_grpo(cfg, tag), cfg, "estimator-trl", TRL)
@@ -260,6 +266,19 @@ def trl_report(warmup: int = 1) -> None:
             print(f"\nours/TRL: wall time per update {w / tw:.2f}, CPU time per update {c / tc:.2f}, peak memory {m / tm:.2f}")
 
 
+def _shape_cells(shape, arm, row, ref, memory, cost) -> str:
+    """Peak GB and CPU s/update of the arm's runs at ``shape``, and the tiny task's median updates-to-target
+    priced at that cost, over the reference arm's (bench_critic.py's estimate of time to target at a real width)."""
+    if (shape, arm) not in memory:
+        return " - | - | - |"
+    spu = statistics.median(cost[shape, arm])
+    cells = f" {statistics.median(memory[shape, arm]):.2f} | {spu:.2f} |"
+    med, ref_med = critic.median_value(row["times"]), ref and critic.median_value(ref["times"])
+    if not ref or (shape, ref["arm"]) not in cost or med == float("inf"):
+        return cells + " - |"
+    return cells + f" {med * spu / (ref_med * statistics.median(cost[shape, ref['arm']])):.2f} |"
+
+
 def _to_target(per_update: list[float], t: int | None) -> float | None:
     return None if t is None else sum(per_update[:t])
 
@@ -274,8 +293,10 @@ def cmd_report(args) -> None:
         if r["cfg"]["updates"] >= args.updates:
             latest[r["cfg"]["arm"], r["cfg"]["seed"]] = r
     memory: dict[tuple[str, str], list[float]] = {}
+    cost: dict[tuple[str, str], list[float]] = {}  # CPU s per update after the first, in the memory runs
     for r in bench._load(MEMORY):
         memory.setdefault((r["cfg"]["shape"], r["cfg"]["arm"]), []).append(r["peak_memory_gb"])
+        cost.setdefault((r["cfg"]["shape"], r["cfg"]["arm"]), []).extend(r["cpu_seconds_per_update"][1:])
     shapes = sorted({s for s, _ in memory})
     n = args.updates
     print(f"target: {critic.WINDOW}-update mean of objective/scores >= {args.target:+g} within {n} updates; "
@@ -283,7 +304,7 @@ def cmd_report(args) -> None:
           f"as a ratio to {args.reference}'s median (same session, contended)\n")
     head = ("| arm | G x prompts | seeds | reached | median updates-to-target | restricted mean | wall to target, x ref "
             "| CPU to target, x ref | CPU s/update, x ref | score, all updates | last 5 | frac_reward_zero_std |")
-    head += "".join(f" peak GB ({s}) |" for s in shapes)
+    head += "".join(f" peak GB ({s}) | CPU s/update ({s}) | median updates x that, x ref |" for s in shapes)
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     rows = {}
@@ -296,7 +317,7 @@ def cmd_report(args) -> None:
         cpu = [_to_target(r["cpu_seconds_per_update"], t) for r, t in zip(runs, times)]
         spu = statistics.median(c for r in runs for c in r["cpu_seconds_per_update"][1:n])
         zero = [z for r in runs for z in r["frac_reward_zero_std"][:n] if z is not None]
-        rows[arm] = dict(runs=runs, times=times, wall=_median_censored(wall), cpu=_median_censored(cpu), spu=spu,
+        rows[arm] = dict(arm=arm, runs=runs, times=times, wall=_median_censored(wall), cpu=_median_censored(cpu), spu=spu,
                          zero=statistics.fmean(zero) if zero else None)
     ref = rows.get(args.reference)
     for arm, row in rows.items():
@@ -308,7 +329,7 @@ def cmd_report(args) -> None:
         all_ = statistics.fmean(statistics.fmean(r["scores"][:n]) for r in runs)
         last = statistics.fmean(statistics.fmean(r["scores"][n - 5:n]) for r in runs)
         zero = "-" if row["zero"] is None else f"{row['zero']:.2f}"
-        mem = "".join(f" {statistics.median(memory[s, arm]):.2f} |" if (s, arm) in memory else " - |" for s in shapes)
+        mem = "".join(_shape_cells(s, arm, row, ref, memory, cost) for s in shapes)
         print(f"| {arm} | {G} x {EPISODES // G} | {len(runs)} | {reached}/{len(runs)} | {critic.censored_median(times, n)} "
               f"| {rmean:.1f} | {ratio('wall')} | {ratio('cpu')} | {ratio('spu')} | {all_:+.2f} | {last:+.2f} | {zero} |{mem}")
     trl_report()
