@@ -360,7 +360,8 @@ class VllmSampler:
         # One seed per request, drawn from torch's global RNG: the run stays reproducible, and a resumed
         # run (which restores that RNG) samples what the uninterrupted one did.
         seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0] // G,), device="cpu").tolist()
-        prompts = [TokensPrompt(prompt_token_ids=ids[mask].tolist()) for ids, mask in zip(prompt_ids[::G], prompt_mask[::G])]
+        firsts = zip(prompt_ids[::G], prompt_mask[::G])  # each group's prompt (every row when G is 1)
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask].tolist()) for ids, mask in firsts]
         params = [SamplingParams(**sampling_kwargs(gen, stop_token_id, seed, n=G)) for seed in seeds]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.sleep_mode:
