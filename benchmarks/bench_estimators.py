@@ -209,6 +209,8 @@ def run_trl_grpo(cfg: dict, tag: str) -> dict:
                "--seed", str(cfg["seed"]), "--threads", str(cfg["threads"]), "--out", str(out)]
     if cfg["missing_eos_penalty"] is not None:
         command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
+    if cfg["precision"] == "native":
+        command.append("--defaults")
     started = time.perf_counter()
     proc = subprocess.run(command, env=bench.env(), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -227,9 +229,9 @@ def cmd_trl(args) -> None:
     shape = resolve_shape(args.shape)
     for round_ in range(args.rounds):
         cfg = arm_config("grpo", round_, args.updates, args.group, shape)
-        cfg["threads"] = args.threads
+        cfg.update(threads=args.threads, precision=args.precision)
         for impl in (("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")):
-            tag = f"est-trl-{shape}-{impl}-r{round_}"
+            tag = f"est-trl-{shape}-{args.precision}-{impl}-r{round_}"
             print(f"[round {round_}] {impl} (load {bench.load_average():.2f})", flush=True)
             if impl == "trl":
                 bench.record(run_trl_grpo(cfg, tag), cfg, "estimator-trl", TRL)
@@ -243,10 +245,10 @@ def cmd_trl(args) -> None:
 def trl_report(warmup: int = 1) -> None:
     by_impl: dict[tuple[str, str], list[dict]] = {}
     for r in bench._load(TRL):
-        by_impl.setdefault((r["cfg"]["shape"], r["impl"]), []).append(r)
+        by_impl.setdefault((f"{r['cfg']['shape']}, {r['cfg']['precision']}", r["impl"]), []).append(r)
     for shape in sorted({s for s, _ in by_impl}):
-        print(f"\nppo_cli grpo against TRL GRPOTrainer, shape {shape} (median s/update after {warmup} warm-up update, "
-              "contended: read the ratio):\n")
+        print(f"\nppo_cli grpo against TRL GRPOTrainer, shape and precision {shape} (median s/update after {warmup} "
+              "warm-up update, contended: read the ratio):\n")
         print("| impl | runs x updates | s/update | CPU s/update | peak GB | mean score/update |")
         print("|---|---|---|---|---|---|")
         med = {}
@@ -364,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", choices=("fp32", "native"), default="fp32",
+                   help="native: each tool's defaults (ours mixed_precision auto; TRL bf16 + gradient checkpointing)")
     p = sub.add_parser("single")
     p.add_argument("share", help="a JSON [cfg, tag] written by memory")
     p = sub.add_parser("report")

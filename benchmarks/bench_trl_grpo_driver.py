@@ -9,7 +9,8 @@ optimizer step over them, ``--epochs`` times (TRL: per_device_train_batch_size =
 steps_per_generation 1, num_iterations = epochs, so TRL generates once every ``epochs`` optimizer steps).
 Settings TRL defaults differently are set to ppo_cli's bench values: fp32 (GRPOConfig's bf16 default
 off), no gradient checkpointing, no gradient clipping (the bench's max_grad_norm null), beta = kl_coef
-(k3 in the loss, as ppo_cli's grpo), lr constant. The reward is a Python function: the bench's scalar
+(k3 in the loss, as ppo_cli's grpo), lr constant. ``--defaults`` keeps GRPOConfig's bf16 and gradient
+checkpointing instead. The reward is a Python function: the bench's scalar
 reward model on prompt + completion text (ppo_cli's ``type: model`` default text) minus the missing-EOS
 penalty for a completion without the EOS token, the same numbers ppo_cli's reward gives.
 """
@@ -42,6 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--missing-eos-penalty", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--defaults", action="store_true",
+                    help="TRL's own precision defaults (GRPOConfig: bf16 on, gradient checkpointing on) instead of fp32")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -126,9 +129,8 @@ def main(argv=None) -> int:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=0.0,
-        bf16=False,
+        **({} if args.defaults else {"bf16": False, "gradient_checkpointing": False}),
         fp16=False,
-        gradient_checkpointing=False,
         model_init_kwargs={"dtype": torch.float32},
         report_to=[],
         save_strategy="no",
