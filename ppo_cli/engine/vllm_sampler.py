@@ -78,16 +78,18 @@ def import_vllm():
     return vllm
 
 
-def sampling_kwargs(gen: GenerationConfig, stop_token_id: int, seed: int) -> dict:
-    """vLLM SamplingParams for one request, identical in effect to generate.sampling_config: the full
-    softmax at the temperature unless top_k / top_p are set, stopping at the stop token only.
+def sampling_kwargs(gen: GenerationConfig, stop_token_id: int, seed: int, n: int = 1) -> dict:
+    """vLLM SamplingParams for one request of ``n`` completions, identical in effect to
+    generate.sampling_config: the full softmax at the temperature unless top_k / top_p are set,
+    stopping at the stop token only.
 
     vLLM disables top-k with -1 (transformers with 0). logprobs=0 returns the sampled token's log-prob
     alone; with the engine's logprobs_mode 'processed_logprobs' it is taken after the temperature (and
-    top-k/top-p), i.e. from the distribution the token was drawn from.
+    top-k/top-p), i.e. from the distribution the token was drawn from. With n > 1 vLLM samples child
+    ``i`` with seed + i (vllm/v1/engine/parallel_sampling.py), so the completions differ.
     """
     return dict(
-        n=1,
+        n=n,
         temperature=gen.temperature,
         top_k=gen.top_k if gen.top_k > 0 else -1,
         top_p=gen.top_p,
@@ -119,7 +121,7 @@ def kv_cache_bytes(recipe: Recipe, config, dtype: torch.dtype) -> int:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    tokens = recipe.ppo.rollout_batch_size * (recipe.data.max_prompt_tokens + recipe.generation.max_new_tokens)
+    tokens = recipe.episodes_per_update * (recipe.data.max_prompt_tokens + recipe.generation.max_new_tokens)
     return max(KV_CACHE_FLOOR_BYTES, int(tokens * per_token * KV_CACHE_MARGIN))
 
 
@@ -174,6 +176,18 @@ def check_can_sample(model) -> None:
             f"policy.adapter ({model.base_adapter}) merged in, which vLLM would not see",
             hint="sample it with --set generation.backend=hf, or merge the adapters first (ppo train --merge)",
         )
+
+
+def group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> int:
+    """Rows per vLLM request: ``num_generations`` when the rows come as whole groups of one prompt
+    repeated (trainer.process_prompts: [p0 x G, p1 x G, ...]), so that one request with SamplingParams
+    n = G shares the prompt's prefill and KV cache across its completions; 1 otherwise."""
+    B, G = prompt_ids.shape[0], num_generations
+    if G < 2 or B % G:
+        return 1
+    firsts_ids = prompt_ids[::G].repeat_interleave(G, dim=0)
+    firsts_mask = prompt_mask[::G].repeat_interleave(G, dim=0)
+    return G if torch.equal(firsts_ids, prompt_ids) and torch.equal(firsts_mask, prompt_mask) else 1
 
 
 def build_generation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
@@ -246,7 +260,7 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> bool:
 
 class VllmSampler:
     """Owns the in-process vllm.LLM; ``generate`` samples one response per prompt row from the
-    current policy. Built by load_engine when generation.backend is vllm."""
+    current policy (a group of generation.num_generations equal rows as one request of n completions). Built by load_engine when generation.backend is vllm."""
 
     def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module, model=None):
         """``model``: the ResolvedModel `ppo rollout / eval / compare` sample (weights that never change:
@@ -342,19 +356,21 @@ class VllmSampler:
         if self.sleep_mode:
             self.llm.wake_up()
         self.sync(policy)
+        G = group_size(prompt_ids, prompt_mask, gen.num_generations)
         # One seed per request, drawn from torch's global RNG: the run stays reproducible, and a resumed
         # run (which restores that RNG) samples what the uninterrupted one did.
-        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0],), device="cpu").tolist()
-        prompts = [TokensPrompt(prompt_token_ids=ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
-        params = [SamplingParams(**sampling_kwargs(gen, stop_token_id, seed)) for seed in seeds]
+        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0] // G,), device="cpu").tolist()
+        firsts = zip(prompt_ids[::G], prompt_mask[::G])  # each group's prompt (every row when G is 1)
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask].tolist()) for ids, mask in firsts]
+        params = [SamplingParams(**sampling_kwargs(gen, stop_token_id, seed, n=G)) for seed in seeds]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=1)
         tokens, logprobs = [], []
-        for output in outputs:
-            completion = output.outputs[0]
-            tokens.append(list(completion.token_ids))
-            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
+        for output in outputs:  # in request order; a request's completions in their index order: the rows' order
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                tokens.append(list(completion.token_ids))
+                logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
         return build_generation(prompt_ids, prompt_mask, tokens, logprobs, gen.max_new_tokens, stop_token_id,
                                 pad_token_id)
 

@@ -59,6 +59,10 @@ def test_engine_kwargs_on_cpu_with_lora():
     big = _recipe(**{"ppo.rollout_batch_size": 4096, "ppo.mini_batch_size": 16})
     per_token = 2 * 2 * 2 * 32 * 4
     assert vllm_sampler.kv_cache_bytes(big, _Config(), torch.float32) == int(4096 * 56 * per_token * 1.5)
+    # Room for every completion of the update: 1024 prompts x 4 completions are 4096 sequences too.
+    grouped = _recipe(**{"ppo.rollout_batch_size": 1024, "ppo.mini_batch_size": 16, "generation.num_generations": 4,
+                         "ppo.advantage": "grpo", "value.kind": "none"})
+    assert vllm_sampler.kv_cache_bytes(grouped, _Config(), torch.float32) == int(4096 * 56 * per_token * 1.5)
 
 
 def test_engine_kwargs_on_gpu_full_fine_tuning():
@@ -174,3 +178,81 @@ def test_inference_commands_without_vllm_stop_with_the_install_hint(command, tmp
     assert errors == ["error: generation.backend is 'vllm' but the vllm package is not installed"], result.output
     assert "hint: install it: pip install 'ppo_cli[vllm]'" in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "recipe.yaml", "reward"]  # nothing written
+
+
+def test_group_size_is_the_recipes_only_for_whole_groups_of_one_prompt():
+    ids = torch.tensor([[PAD, 5], [PAD, 5], [7, 8], [7, 8]])
+    mask = ids != PAD
+    assert vllm_sampler.group_size(ids, mask, 2) == 2
+    assert vllm_sampler.group_size(ids, mask, 1) == 1
+    assert vllm_sampler.group_size(ids, mask, 4) == 1  # [p0, p0, p1, p1] is not one group of 4
+    assert vllm_sampler.group_size(ids[:3], mask[:3], 2) == 1  # 3 rows do not split into pairs
+    shifted = torch.tensor([[PAD, 5], [5, 5], [7, 8], [7, 8]])  # same ids after the pad, another mask
+    assert vllm_sampler.group_size(shifted, shifted != PAD, 2) == 1
+
+
+class _FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _FakeLogprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+class _FakeCompletion:
+    def __init__(self, index, token_ids):
+        self.index, self.token_ids = index, token_ids
+        self.logprobs = [{t: _FakeLogprob(-0.1 * (index + 1))} for t in token_ids]
+
+
+class _FakeLLM:
+    """vllm.LLM.generate's shape: one RequestOutput per request, ``n`` completions each. Completion
+    ``i`` of a prompt is [first prompt token, 10 + i, STOP]; they come back in reverse index order, which
+    vLLM does not promise to avoid when streaming, so the sampler must put them in index order itself."""
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.requests = list(zip(prompts, params))
+        outputs = []
+        for prompt, p in self.requests:
+            first = prompt["prompt_token_ids"][0]
+            completions = [_FakeCompletion(i, [first, 10 + i, STOP]) for i in range(p.n)]
+            outputs.append(type("RequestOutput", (), {"outputs": completions[::-1]})())
+        return outputs
+
+
+def test_vllm_samples_a_group_as_one_request_with_n_completions(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = _FakeSamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    recipe = load_recipe(ROOT / "recipes" / "tiny_grpo.yaml", ["generation.backend=vllm", "generation.num_generations=3"])
+    sampler = object.__new__(vllm_sampler.VllmSampler)  # no engine: the fake LLM stands in for it
+    sampler.recipe, sampler.device, sampler.sleep_mode, sampler.lora_request = recipe, torch.device("cpu"), False, None
+    sampler.llm = _FakeLLM()
+    monkeypatch.setattr(sampler, "sync", lambda policy: None)
+    prompt_ids = torch.tensor([[PAD, 5, 6]] * 3 + [[7, 8, 9]] * 3)  # two prompts, 3 completions each
+    torch.manual_seed(0)
+    generation, sampled = sampler.generate(None, prompt_ids, prompt_ids != PAD, STOP, PAD)
+    torch.manual_seed(0)
+    seeds = torch.randint(0, 2**31 - 1, (2,)).tolist()  # one seed per request, not per row
+    assert [p["prompt_token_ids"] for p, _ in sampler.llm.requests] == [[5, 6], [7, 8, 9]]
+    assert [(params.n, params.seed) for _, params in sampler.llm.requests] == [(3, seeds[0]), (3, seeds[1])]
+    # Rows in the prompts' order, each group's completions by index.
+    assert generation.response_ids[:, :3].tolist() == [[5, 10, STOP], [5, 11, STOP], [5, 12, STOP],
+                                                       [7, 10, STOP], [7, 11, STOP], [7, 12, STOP]]
+    assert torch.allclose(sampled[:, 0], torch.tensor([-0.1, -0.2, -0.3] * 2))
+    assert generation.finished.tolist() == [True] * 6
+    # Rows that are not whole groups: one request per row, n = 1.
+    distinct = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4]] * 2)
+    sampler.generate(None, distinct, distinct != PAD, STOP, PAD)
+    assert [params.n for _, params in sampler.llm.requests] == [1] * 6

@@ -131,3 +131,22 @@ def test_fsdp_full_finetune_writes_the_whole_model_once(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(final)  # a plain transformers model
+
+
+GRPO = {"ppo.advantage": "grpo", "generation.num_generations": 2, "value.kind": "none",
+        "train.total_updates": 2, "train.save_every": 0}
+
+
+def test_fsdp_grpo_trains_like_ddp_without_a_critic(tiny_models, tmp_path):
+    """GRPO under FSDP: the groups are whole per process as in DDP (the prompts are split before they
+    are repeated), so its group advantages, metrics and adapter are DDP's; nothing of a critic is sharded or saved."""
+    _run(_cmd(tiny_models, tmp_path / "fsdp", **GRPO))
+    _run(_cmd(tiny_models, tmp_path / "ddp", fsdp=False, **GRPO))
+    fsdp, ddp = tmp_path / "fsdp" / "tiny-sentiment", tmp_path / "ddp" / "tiny-sentiment"
+    metrics = _metrics(fsdp)
+    assert metrics[-1]["episode"] == 2 * 4 * 2 * 2  # updates x prompts x completions x processes
+    assert all(m["reward_std"] > 0 for m in metrics)  # the groups carry signal: the comparison below is not vacuous
+    assert not [k for k in metrics[-1] if k.startswith("val/") and k not in ("val/ratio", "val/ratio_first_minibatch")]
+    _assert_same_metrics(metrics, _metrics(ddp), AGREES_WITH_DDP)
+    _assert_same_weights(fsdp / "final/adapter_model.safetensors", ddp / "final/adapter_model.safetensors", AGREES_WITH_DDP)
+    assert not (fsdp / "final" / "critic").exists()

@@ -104,3 +104,17 @@ def test_full_fine_tuning_reloads_the_weights_into_vllm(wide_models, tmp_path):
     for m in metrics:
         assert m["rollout/logprob_diff_max"] < LOGPROB_TOLERANCE, m
         assert abs(m["val/ratio_first_minibatch"] - 1.0) < 1e-4, m
+
+
+def test_grpo_samples_each_group_as_one_vllm_request_of_n(wide_models, tmp_path):
+    """A group of 4 completions is one request with SamplingParams n=4: the completions differ (each
+    child has its own seed), and each sits on its own prompt's row (a completion on another prompt's row
+    would put the sampler's log-probs far from the trainer's)."""
+    metrics = _train(wide_models, tmp_path, **{"ppo.advantage": "grpo", "generation.num_generations": 4,
+                                               "value.kind": "none", "ppo.rollout_batch_size": 4,
+                                               "ppo.mini_batch_size": 8, "ppo.micro_batch_size": 8,
+                                               "train.total_updates": 2, "train.save_every": 0})
+    for m in metrics:
+        assert m["reward_std"] > 0.0 and m["frac_reward_zero_std"] < 1.0, m
+        assert m["rollout/logprob_diff_max"] < LOGPROB_TOLERANCE, m
+    assert metrics[-1]["episode"] == 2 * 4 * 4
