@@ -1,7 +1,6 @@
 """The CPU probe behind train.mixed_precision auto: what it measures, and its per-machine cache."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -25,10 +24,8 @@ class CountingProbe:
         return ProbeResult(8.0, 14.0, 0.8, 0.5, update_flops=2.0 * 256 * hidden * intermediate, cpu="Test CPU")
 
 
-def test_real_probe_returns_positive_timings_quickly():
-    started = time.perf_counter()
+def test_real_probe_returns_positive_timings_and_the_update_flops():
     result = run_probe(96, 384)
-    assert time.perf_counter() - started < 1.0
     timings = (result.fp32_update_ms, result.bf16_update_ms, result.fp32_decode_ms, result.bf16_decode_ms)
     assert all(t > 0 for t in timings)
     assert result.update_flops == 2 * 256 * 96 * 384
