@@ -25,13 +25,15 @@ class EvalResult:
 
 def summarize_rows(rows: list[dict]) -> dict:
     """Metrics of scored rows (each with reward, reward_components, finished, response, response_tokens, kl)."""
+    from ppo_cli.commands.score import scored_mean
     from ppo_cli.stats import distinct_n, mean, summarize
 
-    rewards = [r["reward"] for r in rows]
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]  # rows a reward failed to score: counted apart
     names = list(rows[0]["reward_components"]) if rows else []
     return {
         "reward": summarize(rewards),
-        "reward_components": {n: mean([r["reward_components"][n] for r in rows]) for n in names},
+        "reward_failed": len(rows) - len(rewards),
+        "reward_components": {n: scored_mean([r["reward_components"][n] for r in rows]) for n in names},
         "eos_rate": mean([1.0 if r["finished"] else 0.0 for r in rows]),
         "response_length": mean([float(r["response_tokens"]) for r in rows]),
         "kl": mean([r["kl"] for r in rows]) if rows and "kl" in rows[0] else None,

@@ -20,7 +20,8 @@ class ScoreRunResult:
     out: Path
     rows: int
     mean_reward: float
-    components: dict[str, float]  # name -> mean value
+    components: dict[str, float]  # name -> mean value over the rows it scored
+    failed: int = 0  # rows without a reward (a component failed to score them)
 
 
 def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
@@ -52,27 +53,45 @@ _KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", (str, 
 
 def score_rows(reward, rows: list[dict]) -> list[dict]:
     """Copies of ``rows`` with ``reward`` (the total) and ``reward_components`` (name -> value,
-    penalties as negative numbers) from one RewardStack.score call over all rows."""
+    penalties as negative numbers) from one RewardStack.score call over all rows. A row a component
+    failed to score has null there and as its reward; when no row got a reward, the failure is raised."""
+    from ppo_cli.errors import RewardServerError
+
     result = reward.score(
         [r["prompt"] for r in rows],
         [r["response"] for r in rows],
         [bool(r.get("finished", True)) for r in rows],
         [int(r.get("response_tokens", 0)) for r in rows],
     )
+    if rows and not any(result.scored):
+        raise RewardServerError(f"no row got a reward: {next(iter(result.failures.values()))}",
+                                hint="check that the reward server or judge answers, then run again")
     return [
-        {**row, "reward": float(total), "reward_components": {name: float(values[i]) for name, values in result.components.items()}}
+        {**row, "reward": _number(total),
+         "reward_components": {name: _number(values[i]) for name, values in result.components.items()}}
         for i, (row, total) in enumerate(zip(rows, result.scores))
     ]
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def scored_mean(values: list) -> float:
+    """The mean of the values that are not None (the rows a reward failed to score are left out)."""
+    from ppo_cli.stats import mean
+
+    return mean([v for v in values if v is not None])
 
 
 def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     from ppo_cli.engine.inference import load_reward_stack
     from ppo_cli.runs import write_jsonl_atomic
-    from ppo_cli.stats import mean
 
     rows = read_rollouts(rollouts, recipe)
     scored = score_rows(load_reward_stack(recipe), rows)
     write_jsonl_atomic(out, scored)
     names = list(scored[0]["reward_components"])
-    components = {name: mean([r["reward_components"][name] for r in scored]) for name in names}
-    return ScoreRunResult(Path(out), len(scored), mean([r["reward"] for r in scored]), components)
+    components = {name: scored_mean([r["reward_components"][name] for r in scored]) for name in names}
+    failed = sum(r["reward"] is None for r in scored)
+    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed)

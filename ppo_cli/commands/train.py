@@ -54,10 +54,10 @@ def peak_memory_gb() -> float:
 
 
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
+    """Everything that can fail before a model is loaded: prompts, reward functions and servers, model paths."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
+    from ppo_cli.reward_checks import check_reward_components
 
     from ppo_cli.commands.inputs import check_vllm_backend
 
@@ -70,11 +70,7 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
             check_model_reference(path)
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
-    for component in recipe.reward.components:
-        if component.type == "function":
-            load_reward_function(component.function)
-        else:
-            check_model_reference(component.path)
+    check_reward_components(recipe.reward, import_functions=True)  # files, credentials, and that each server answers
     from ppo_cli.tracking import check_trackers
 
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
@@ -196,7 +192,7 @@ def _evaluate_share(engine, prompts: list[str], seed: int) -> dict:
 
     if not prompts:
         return {"responses": [], "scores": [], "finished": torch.zeros(0, dtype=torch.bool),
-                "lengths": torch.zeros(0, dtype=torch.long), "kl": torch.zeros(0)}
+                "lengths": torch.zeros(0, dtype=torch.long), "kl": torch.zeros(0), "failures": []}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         generation = engine.generate(prompts)
@@ -204,7 +200,7 @@ def _evaluate_share(engine, prompts: list[str], seed: int) -> dict:
         result = engine.score(prompts, responses, generation)
         kl = sequence_kl(engine, generation)
     return {"responses": responses, "scores": list(result.scores), "finished": generation.finished,
-            "lengths": generation.response_lengths, "kl": kl}
+            "lengths": generation.response_lengths, "kl": kl, "failures": list(result.failures.values())}
 
 
 def evaluate(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
@@ -225,8 +221,16 @@ def evaluate(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
             return None
         mine = {k: torch.cat([p[k] for p in parts]) if torch.is_tensor(mine[k]) else [x for p in parts for x in p[k]]
                 for k in mine}
+    mine["failures"] = [f for f in mine["failures"] if f]
+    scored = [s for s in mine["scores"] if s is not None]  # a prompt a reward failed to score is left out, and counted
+    if not scored:
+        from ppo_cli.errors import RewardServerError
+
+        raise RewardServerError(f"no held-out prompt got a reward: {mine['failures'][0] if mine['failures'] else 'every reward failed'}",
+                                hint="check that the reward server or judge answers; the last checkpoint is intact")
     return {
-        "score": sum(mine["scores"]) / len(mine["scores"]),
+        "score": sum(scored) / len(scored),
+        "reward_failed": len(mine["scores"]) - len(scored),
         "eos_rate": mine["finished"].float().mean().item(),
         "response_length": mine["lengths"].float().mean().item(),
         "kl": mine["kl"].mean().item(),

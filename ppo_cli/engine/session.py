@@ -14,6 +14,7 @@ import time
 import torch
 
 from ppo_cli.engine.chat import tokenize_prompts
+from ppo_cli.engine.data import recipe_prompt_columns
 from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
 from ppo_cli.engine.actor_critic import (
     ActorCritic,
@@ -228,9 +229,13 @@ class Engine:
             generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None
         )
         result = self.score(prompts, responses, generation, shared)
-        scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
+        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
+        scored, failures = None, None
+        if self.reward.failable:  # components that may leave an episode without a reward
+            scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
+            failures = {name: result.failures.get(name, "") for name in self.reward.failable}
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
-                       fixed_features, sampler_logprobs)
+                       fixed_features, sampler_logprobs, scored, failures)
 
 
 def quiet_libraries() -> None:
@@ -318,7 +323,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe)
-    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
+    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data))
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     actor_critic = build_actor_critic(recipe, device, reward_models)
     if device.type == "cpu":
