@@ -47,13 +47,19 @@ def load_reward_function(spec: str) -> Callable:
     if not callable(fn):
         raise RewardFunctionError(f"'{target}' has no function '{name}'", hint=f"define def {name}(prompts, responses) -> list[float]")
     try:
-        inspect.signature(fn).bind(["p"], ["r"])
+        inspect.signature(fn).bind_partial(["p"], ["r"])  # further parameters are dataset columns
     except TypeError:
         raise RewardFunctionError(
             f"reward function '{spec}' must take two arguments (prompts, responses)",
             hint=f"def {name}(prompts: list[str], responses: list[str], **columns) -> list[float]",
         ) from None
     return fn
+
+
+def required_columns(fn: Callable) -> set[str]:
+    """The column parameters ``fn`` cannot do without (no default)."""
+    parameters = list(inspect.signature(fn).parameters.values())[2:]
+    return {p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def accepted_columns(fn: Callable) -> set[str] | None:
@@ -81,6 +87,12 @@ class FunctionScorer:
         lists of {role, content} for conversations (without data.system_prompt); copies, so the
         function cannot change the rollout's prompts."""
         columns = columns or {}
+        missing = sorted(required_columns(self.fn) - set(columns))
+        if missing:
+            raise RewardFunctionError(
+                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which the prompt rows do not have",
+                hint="use a .jsonl or dataset for data.prompts whose rows carry them (each row's other fields are its columns)",
+            )
         chosen = columns if self.columns is None else {k: v for k, v in columns.items() if k in self.columns}
         return (copy.deepcopy(list(prompts)), list(responses)), copy.deepcopy(chosen)
 

@@ -41,7 +41,7 @@ class HttpScorer:
             end = start + c.batch_size
             body = {"prompts": prompts[start:end], "responses": responses[start:end],
                     "columns": {name: values[start:end] for name, values in columns.items()}}
-            return lambda: self._post(client, headers, body, end - start)
+            return lambda: self._post(client, headers, body, len(body["responses"]))
 
         async with new_client() as client:
             results = await gather_bounded([job(s) for s in starts], self.policy.max_concurrency)
