@@ -556,6 +556,10 @@ class MonitorConfig(Section):
     ratio_tolerance: float = Field(
         0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
     )
+    reward_failed_high: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Warn when more than this fraction of an update's completions got no reward "
+        "(reward/failed_rate: a server, judge or function failed for them; they left the update).",
+    )
 
     @model_validator(mode="after")
     def _clipfrac_band(self) -> "MonitorConfig":
