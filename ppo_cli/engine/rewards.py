@@ -190,14 +190,33 @@ class RewardStack:
             self._columns = self._columns()
         return self._columns.columns_for(prompts) if self._columns is not None else {}
 
-    def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
-              known: dict[int, list] | None = None, columns: dict[str, list] | None = None) -> ScoreResult:
-        """``known``: component index -> (B,) values already computed (engine/shared_reward.py), None
-        for the rows that component still scores. ``columns``: the prompts' other columns, when the
-        caller has them (else looked up by prompt)."""
+    def start(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> "PendingScores":
+        """Send the asynchronous components' requests now, in a worker thread; ``score(...,
+        pending=)`` collects them. The rollout calls this before its log-prob and value forwards,
+        so a server's or judge's latency overlaps them."""
         if columns is None and any(getattr(s, "reads_columns", False) for _, _, s in self.scorers):
             columns = self.columns_for(prompts)
-        values = self._component_values(prompts, responses, known or {}, columns or {})
+        columns = columns or {}
+        for _, _, scorer in self.scorers:
+            if hasattr(scorer, "failure"):
+                scorer.failure = None
+        waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore")]
+
+        async def together():
+            return await asyncio.gather(*(self.scorers[i][2].ascore(prompts, responses, columns) for i in waiting),
+                                        return_exceptions=True)
+
+        pool = ThreadPoolExecutor(max_workers=1) if waiting else None
+        return PendingScores(columns, waiting, pool, pool.submit(asyncio.run, together()) if waiting else None)
+
+    def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
+              known: dict[int, list] | None = None, columns: dict[str, list] | None = None,
+              pending: "PendingScores | None" = None) -> ScoreResult:
+        """``known``: component index -> (B,) values already computed (engine/shared_reward.py), None
+        for the rows that component still scores. ``columns``: the prompts' other columns, when the
+        caller has them (else looked up by prompt). ``pending``: what start() sent for these rows."""
+        pending = pending if pending is not None else self.start(prompts, responses, columns)
+        values = self._component_values(prompts, responses, known or {}, pending)
         totals: list = [0.0] * len(responses)
         components: dict[str, list] = {}
         failures: dict[str, str] = {}
@@ -218,31 +237,39 @@ class RewardStack:
         return ScoreResult(totals, components, failures)
 
     def _component_values(self, prompts: list, responses: list[str], known: dict[int, list],
-                          columns: dict[str, list]) -> list[list]:
-        """Each component's (B,) values: the asynchronous ones awaited together in a worker thread
-        while the synchronous ones run here."""
-        for _, _, scorer in self.scorers:
-            if hasattr(scorer, "failure"):
-                scorer.failure = None
-        waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore") and i not in known]
-
-        async def together():
-            return await asyncio.gather(*(self.scorers[i][2].ascore(prompts, responses, columns) for i in waiting),
-                                        return_exceptions=True)
-
+                          pending: "PendingScores") -> list[list]:
+        """Each component's (B,) values: the synchronous ones computed here, while the asynchronous
+        ones (started by start()) finish in their thread."""
         values: list = [None] * len(self.scorers)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(asyncio.run, together()) if waiting else None
-            for index, (_, _, scorer) in enumerate(self.scorers):
-                if index not in waiting:
-                    reads = getattr(scorer, "reads_columns", False)
-                    call = (lambda p, r, s=scorer: s(p, r, columns)) if reads else scorer
-                    values[index] = _fill_in(call, prompts, responses, known.get(index))
-            for index, result in zip(waiting, pending.result() if pending else []):
-                if isinstance(result, BaseException):
-                    raise result
-                values[index] = result
+        for index, (_, _, scorer) in enumerate(self.scorers):
+            if index not in pending.waiting:
+                reads = getattr(scorer, "reads_columns", False)
+                call = (lambda p, r, s=scorer: s(p, r, pending.columns)) if reads else scorer
+                values[index] = _fill_in(call, prompts, responses, known.get(index))
+        for index, result in zip(pending.waiting, pending.results()):
+            if isinstance(result, BaseException):
+                raise result
+            values[index] = result
         return values
+
+
+@dataclass
+class PendingScores:
+    """The asynchronous components' requests for one batch, sent by RewardStack.start."""
+
+    columns: dict[str, list]
+    waiting: list[int]  # the components' indices
+    pool: ThreadPoolExecutor | None
+    future: object | None
+
+    def results(self) -> list:
+        """Each waiting component's values, or the exception it raised (bounded: every request has a timeout)."""
+        if self.future is None:
+            return []
+        try:
+            return self.future.result()
+        finally:
+            self.pool.shutdown(wait=False)
 
 
 def _fill_in(scorer, prompts: list, responses: list[str], known: list | None) -> list:

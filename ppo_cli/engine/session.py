@@ -122,11 +122,13 @@ class Engine:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
 
     def score(self, prompts: list[str], responses: list[str], generation: Generation,
-              shared: SharedForward | None = None) -> ScoreResult:
-        """``shared``: the reward model's scores already taken from the critic's forward."""
+              shared: SharedForward | None = None, pending=None) -> ScoreResult:
+        """``shared``: the reward model's scores already taken from the critic's forward; ``pending``:
+        the remote components' requests already sent (RewardStack.start)."""
         known = {shared.component: shared.scores} if shared is not None else None
         return self.reward.score(
-            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known
+            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known,
+            pending=pending,
         )
 
     def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
@@ -224,11 +226,13 @@ class Engine:
         if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
             sampler_logprobs, sampled = sampled.logprobs, None
         responses = self.decode_responses(generation)
+        # Requests to reward servers and judges go out now, so their latency overlaps the forwards below.
+        pending = self.reward.start(prompts, responses)
         shared = self.shared_reward_forward(prompts, responses, generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
             generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None
         )
-        result = self.score(prompts, responses, generation, shared)
+        result = self.score(prompts, responses, generation, shared, pending)
         scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
         scored, failures = None, None
         if self.reward.failable:  # components that may leave an episode without a reward

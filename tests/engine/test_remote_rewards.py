@@ -158,7 +158,7 @@ def test_judge_scores_are_the_answer_mapped_to_0_1(judge, monkeypatch):
     assert result.scores == [1.0, 0.0, 0.0, 1.0]  # 'Score: 10' -> 1, 'Score: 1' -> 0
     sent = [r["body"] for r in judge.requests[1:]]  # after the GET /v1/models
     assert all(body["model"] == "judge" and body["temperature"] == 0 for body in sent)
-    assert sorted(body["messages"][0]["content"].rpartition("Response:")[2] for body in sent) == sorted(RESPONSES)
+    assert sorted(body["messages"][0]["content"].rpartition("Response:")[2].strip() for body in sent) == sorted(RESPONSES)
 
 
 def test_an_unparseable_judge_answer_fails_that_completion(judge):
@@ -237,3 +237,16 @@ def test_insecure_http_with_credentials_is_allowed_when_the_recipe_says_so():
     config = RewardConfig(components=[{"type": "http", "url": "http://10.0.0.5:8000/score", "allow_insecure_http": True,
                                        "headers": {"Authorization": "Bearer ${T}"}}])
     assert config.components[0].allow_insecure_http
+
+
+
+def test_start_sends_the_requests_before_score_collects_them(server):
+    server.delay_s = 0.3
+    stack = _stack(_http(server, batch_size=2))
+    pending = stack.start(["p"] * 4, RESPONSES)
+    deadline = time.monotonic() + 5
+    while len(server.requests) < 2:  # both batches are at the server while the caller does other work
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    result = stack.score(["p"] * 4, RESPONSES, [True] * 4, [3] * 4, pending=pending)
+    assert result.scores == EXPECTED and len(server.requests) == 2

@@ -86,7 +86,7 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(tiny_
     assert len(errors) == 1 and "Traceback" not in stderr, stderr
     assert errors[0].startswith("error: update ") and f"no completion got a reward: {server.score_url}: cannot connect" in errors[0]
     stopped_at = len(_metrics(run))
-    assert (run / "checkpoints" / f"step-{stopped_at}").is_dir()  # the last finished update's checkpoint
+    assert (run / "checkpoints" / f"step-{stopped_at:06d}").is_dir()  # the last finished update's checkpoint
 
     server.start()
     resumed = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=600)
