@@ -270,7 +270,8 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
     for i in range(min(recipe.train.num_samples, len(rollout.prompts))):
         writer.write({
             "step": step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
-            "score": float(rollout.scores[i]), "finished": bool(rollout.generation.finished[i]),
+            "score": float(rollout.scores[i]) if rollout.scored is None or rollout.scored[i] else None,
+            "finished": bool(rollout.generation.finished[i]),
         })
 
 

@@ -65,7 +65,7 @@ def test_http_reward_learns_with_a_fifth_of_the_requests_failing(tiny_models, tm
     assert "no reward" in result.stdout  # the progress line shows the share without a reward
     summary = json.loads((run / "summary.json").read_text())
     assert summary["after"]["score"] >= summary["before"]["score"] + 5.0, summary
-    assert any(w["rule"] == "reward_failures" for w in summary["health"]["warnings"]), summary["health"]
+    assert any(w["rule"] == "reward_failures" for w in summary["warnings"]), summary["warnings"]
 
 
 def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(tiny_models, tmp_path, server):
