@@ -288,7 +288,7 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
     """TRL's objective/* names: sums over response tokens, means over the episodes of all processes."""
     mask = rollout.generation.response_mask
     scored = rollout.scored if rollout.scored is not None else torch.ones_like(rollout.scores, dtype=torch.bool)
-    scores = dist.gather(rollout.scores)[dist.gather(scored)]  # the episodes that have a reward
+    scores = dist.gather(rollout.scores)[dist.gather(scored.float()) > 0]  # the episodes that have a reward
     kl_sum = dist.gather(adv.kl.sum(dim=1))
     non_score = dist.gather(adv.non_score_rewards.sum(dim=1))
     all_mask = dist.gather(mask)
@@ -493,7 +493,8 @@ def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollo
     failures = [f for part in state.dist.gather_objects(rollout.reward_failures or {}) for f in part.values() if f]
     raise RewardServerError(
         f"update {state.step + 1}: no completion got a reward: {failures[0] if failures else 'every group had a failure'}",
-        hint="the last checkpoint is intact; once the reward answers again, continue with ppo train RECIPE --resume",
+        hint="the checkpoints written so far are intact; once the reward answers again, continue with "
+             "ppo train RECIPE --resume",
     )
 
 

@@ -227,7 +227,7 @@ def evaluate(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
         from ppo_cli.errors import RewardServerError
 
         raise RewardServerError(f"no held-out prompt got a reward: {mine['failures'][0] if mine['failures'] else 'every reward failed'}",
-                                hint="check that the reward server or judge answers; the last checkpoint is intact")
+                                hint="check that the reward server or judge answers; checkpoints written so far are intact (--resume)")
     return {
         "score": sum(scored) / len(scored),
         "reward_failed": len(mine["scores"]) - len(scored),
