@@ -17,7 +17,6 @@ import json
 import os
 import random
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -147,25 +146,3 @@ def new_client():
 
     return httpx.AsyncClient(timeout=None, follow_redirects=False)
 
-
-def run_coroutine(coroutine):
-    """Run ``coroutine`` to completion from synchronous code, also when this thread already runs an
-    event loop (a notebook): then in a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coroutine)
-        except BaseException as err:  # noqa: BLE001 - handed back to the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
