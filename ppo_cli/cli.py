@@ -307,7 +307,7 @@ def score(
     from ppo_cli.commands.score import run as run_score
 
     result = run_score(resolved, rollouts, out)
-    report.print_score(str(result.out), result.rows, result.mean_reward, result.components)
+    report.print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed)
 
 
 @app.command(name="eval")

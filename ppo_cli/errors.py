@@ -61,6 +61,14 @@ class RewardFunctionFailed(PpoError):
     """A Python reward function raised while scoring (the user's code, not ours: no bug report)."""
 
 
+class RewardServerError(PpoError):
+    """A reward server or judge failed while scoring (every completion of a rollout, or any with on_failure: error)."""
+
+
+class RewardServerUnreachable(UsageError):
+    """A reward server or judge does not answer before training starts, or its credentials are missing."""
+
+
 class TrainingError(PpoError):
     """Training cannot go on (for example, repeated non-finite updates)."""
 

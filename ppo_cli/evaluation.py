@@ -84,9 +84,15 @@ def sequence_kl(engine, generation):
     return kl.sum(dim=1)
 
 
-def score_rows(reward, rows: list[dict]) -> list[dict]:
+def score_rows(reward, rows: list[dict], failures: list[str] | None = None) -> list[dict]:
     """Copies of ``rows`` with ``reward`` (the total) and ``reward_components`` (name -> value,
-    penalties as negative numbers) from one RewardStack.score call over all rows."""
+    penalties as negative numbers) from one RewardStack.score call over all rows.
+
+    A row a component failed to score has null there and as its reward. With ``failures`` (a list)
+    the failure lines are appended to it and the caller decides; without, a call where no row got a
+    reward raises RewardServerError naming what the server or judge answered."""
+    from ppo_cli.errors import RewardServerError
+
     if not rows:
         return []
     result = reward.score(
@@ -95,21 +101,39 @@ def score_rows(reward, rows: list[dict]) -> list[dict]:
         [bool(r.get("finished", True)) for r in rows],
         [int(r.get("response_tokens", 0)) for r in rows],
     )
+    if failures is not None:
+        failures.extend(str(f) for f in result.failures.values() if f)
+    elif not any(result.scored):
+        raise RewardServerError(f"no row got a reward: {next(iter(result.failures.values()))}",
+                                hint="check that the reward server or judge answers, then run again")
     return [
-        {**row, "reward": float(total), "reward_components": {name: float(values[i]) for name, values in result.components.items()}}
+        {**row, "reward": _number(total),
+         "reward_components": {name: _number(values[i]) for name, values in result.components.items()}}
         for i, (row, total) in enumerate(zip(rows, result.scores))
     ]
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def scored_mean(values: list) -> float:
+    """The mean of the values that are not None (the rows a reward failed to score are left out)."""
+    from ppo_cli.stats import mean
+
+    return mean([v for v in values if v is not None])
 
 
 def summarize_rows(rows: list[dict]) -> dict:
     """Metrics of scored rows (each with reward, reward_components, finished, response, response_tokens, kl)."""
     from ppo_cli.stats import distinct_n, mean, summarize
 
-    rewards = [r["reward"] for r in rows]
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]  # rows a reward failed to score: counted apart
     names = list(rows[0]["reward_components"]) if rows else []
     return {
         "reward": summarize(rewards),
-        "reward_components": {n: mean([r["reward_components"][n] for r in rows]) for n in names},
+        "reward_failed": len(rows) - len(rewards),
+        "reward_components": {n: scored_mean([r["reward_components"][n] for r in rows]) for n in names},
         "eos_rate": mean([1.0 if r["finished"] else 0.0 for r in rows]),
         "response_length": mean([float(r["response_tokens"]) for r in rows]),
         "kl": mean([r["kl"] for r in rows]) if rows and "kl" in rows[0] else None,
@@ -138,15 +162,22 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
     rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     share = share_of(prompts, rank, world_size)
     settings = SamplingSettings(seed + rank, num_samples=1, batch_size=max(len(share), 1))
-    rows = score_rows(engine.reward, sample_rows(engine, None, share, settings, with_kl=True))
+    failures: list[str] = []  # a share without any reward must not stop one process alone: decided after the gather
+    rows = score_rows(engine.reward, sample_rows(engine, None, share, settings, with_kl=True), failures)
     if world_size > 1:
-        parts = dist.gather_objects(rows)
+        parts = dist.gather_objects((rows, failures))
         if not dist.is_main:
             return None
-        rows = [row for part in parts for row in part]
+        rows = [row for part, _ in parts for row in part]
+        failures = [f for _, part in parts for f in part]
+    if rows and all(r["reward"] is None for r in rows):
+        from ppo_cli.errors import RewardServerError
+
+        raise RewardServerError(f"no held-out prompt got a reward: {failures[0] if failures else 'every reward failed'}",
+                                hint="check that the reward server or judge answers; checkpoints written so far are intact (--resume)")
     summary = summarize_rows(rows)
     return {
-        "score": summary["reward"]["mean"], "eos_rate": summary["eos_rate"],
+        "score": summary["reward"]["mean"], "reward_failed": summary["reward_failed"], "eos_rate": summary["eos_rate"],
         "response_length": summary["response_length"], "kl": summary["kl"],
         "samples": [{"prompt": r["prompt"], "response": r["response"], "score": r["reward"], "finished": r["finished"]}
                     for r in rows],

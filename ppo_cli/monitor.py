@@ -12,7 +12,8 @@ numbers), the likely cause and the fix, in plain words.
 
 A warning is returned when its rule starts firing, and again every ``repeat_every`` updates while it
 keeps firing (a rule that flickers on and off is not repeated more often than that). Nothing fires
-before a full window, except the ratio check, which needs 3 updates.
+before a full window, except the ratio check, which needs 3 updates, and the failed-reward check, which
+reads the latest update alone (a reward that fails is news at once).
 
 Level rules (clip fraction, approx-KL, KL per token, EOS rate, ratio) average the window. Trend rules
 (KL growing, value loss rising, reward vs distinct-1) call a series rising when Kendall's tau over the
@@ -46,8 +47,9 @@ EOS_RATE = "eos_rate"
 RATIO_FIRST = "val/ratio_first_minibatch"
 LENGTH = "response_length"
 ZERO_STD_GROUPS = "frac_reward_zero_std"  # generation.num_generations >= 2 only
+REWARD_FAILED = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
 WATCHED = (CLIPFRAC, APPROX_KL, KL, KL_COEF, VALUE_LOSS, ENTROPY, SCORES, DISTINCT, EOS_RATE, RATIO_FIRST, LENGTH,
-           ZERO_STD_GROUPS)
+           ZERO_STD_GROUPS, REWARD_FAILED)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -347,6 +349,22 @@ def _groups_without_signal(h: History, c: MonitorConfig):
             f"{mean(values):.0%} of the prompt groups scored all their completions the same over the last "
             f"{len(values)} updates (above {c.zero_std_groups_high:g})"
         )
+    return None
+
+
+@rule(
+    "reward_failures",
+    cause="the reward failed for some completions (a server that timed out or answered 5xx after its retries, an "
+    "answer that was not JSON or had the wrong length, a judge answer with no number, a function's None); they "
+    "left the update, so it learns from fewer episodes",
+    fix="see reward/failed_rate/NAME in metrics.jsonl for the component; raise its timeout_s or retries under "
+    "reward.components, lower its max_concurrency or batch_size if the server is overloaded, or fix what it answers; "
+    "monitor.reward_failed_high sets the share tolerated without a warning",
+)
+def _reward_failures(h: History, c: MonitorConfig):
+    value = h.latest(REWARD_FAILED)
+    if value is not None and value > c.reward_failed_high:
+        return value, f"{value:.0%} of the completions got no reward at the last update (above {c.reward_failed_high:g})"
     return None
 
 

@@ -92,7 +92,8 @@ PANELS = (
     ("Mean reward", "score", [("objective/scores", "score"), ("objective/rlhf_reward", "score − β·KL")], {}),
     ("Policy and value loss", "policy loss", [("loss/policy_avg", "policy loss")], {"twin": ("loss/value_avg", "value loss")}),
     ("KL to the reference", "KL (nats per response)", [("objective/kl", "KL")], {"floor": 0.0}),
-    ("EOS rate", "responses ending with EOS", [("eos_rate", "EOS rate")], {"percent": True}),
+    # a run whose rewards can fail (functions, servers, judges) also draws the share left without one
+    ("EOS rate", "share of responses", [("eos_rate", "EOS rate"), ("reward/failed_rate", "without a reward")], {"percent": True}),
     ("Clip fraction", "fraction of tokens clipped", [("policy/clipfrac_avg", "clip fraction")], {"band": True, "floor": 0.0}),
     ("Response length", "tokens", [("response_length", "mean length")], {"floor": 0.0}),
 )

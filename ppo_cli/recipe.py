@@ -8,6 +8,7 @@ Loading it from YAML with line numbers and ``--set`` overrides is recipe_loading
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
@@ -162,19 +163,102 @@ class FunctionReward(Section):
     function: str = Field(
         ...,
         pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$",
-        description="'package.module:name' or 'path/to/file.py:name', called as name(prompts, responses) -> list[float].",
+        description="'package.module:name' or 'path/to/file.py:name', called as name(prompts, responses, **columns) -> "
+        "list[float | None]: the prompt rows' other dataset columns (e.g. answer) as keyword lists, if it takes them; "
+        "may be async def.",
     )
     weight: float = Field(1.0, description="Multiplies this component's score in the weighted sum.")
 
 
-# Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below, and its
-# scorer in engine/rewards.py's SCORERS.
-RewardComponent = Annotated[Union[ModelReward, ClassifierReward, FunctionReward], Field(discriminator="type")]
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+# Header names whose value is a credential: it must come from the environment (${VAR}), never the recipe.
+SECRET_HEADER = re.compile(r"authorization|api[-_]?key|token|secret|password|cookie", re.IGNORECASE)
+
+
+def is_loopback_host(host: str | None) -> bool:
+    return bool(host) and (host.lower() in LOOPBACK_HOSTS or host.startswith("127."))
+
+
+class RemoteReward(Section):
+    """What the http and judge components share: how requests are sent, retried and given up on."""
+
+    loads_model: ClassVar[bool] = False
+    weight: float = Field(1.0, description="Multiplies this component's score in the weighted sum.")
+    timeout_s: float = Field(30.0, gt=0.0, description="Seconds one request may take (connect + answer); then it is retried.")
+    retries: int = Field(3, ge=0, le=20, description="Retries after a timeout, a connection error, HTTP 429 or 5xx.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0.0, description="First retry's wait; doubled each retry, with +-50% jitter, at most 30 s."
+    )
+    max_concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
+    on_failure: Literal["skip", "error"] = Field(
+        "skip", description="skip: a completion without a reward leaves the update (masked, not scored 0) and is counted "
+        "(reward/failed_rate); error: stop the run at the first failure.",
+    )
+    allow_insecure_http: bool = Field(
+        False, description="Send credentials (an Authorization header, an API key) over plain http to a host that is not "
+        "this machine. Off: such a recipe is refused.",
+    )
+
+    def _check_transport(self, url: str, credentials: bool, key: str) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _rule_error(f"'{url}' is not an http(s) URL", "write it as http://HOST:PORT/PATH or https://...", key=key)
+        if credentials and parts.scheme == "http" and not is_loopback_host(parts.hostname) and not self.allow_insecure_http:
+            raise _rule_error(
+                f"would send credentials over plain http to {parts.hostname}",
+                "use https, or set allow_insecure_http: true if the network between the two is trusted", key=key,
+            )
+
+
+class HttpReward(RemoteReward):
+    type: Literal["http"]
+    url: str = Field(..., description='POST {"prompts", "responses", "columns"} -> {"rewards": [number or null, ...]}.')
+    batch_size: int = Field(32, gt=0, description="Completions per request.")
+    headers: dict[str, str] = Field(
+        {}, description="Request headers; ${VAR} is read from the environment when a request is sent and never written "
+        "out. Credentials (Authorization, *key*, *token*) must be ${VAR}.",
+    )
+
+    @model_validator(mode="after")
+    def _safe(self) -> "HttpReward":
+        for name, value in self.headers.items():
+            if SECRET_HEADER.search(name) and "${" not in value:
+                raise _rule_error(f"header '{name}' holds a literal credential",
+                                  "put it in an environment variable and write e.g. 'Bearer ${RM_TOKEN}'", key="headers")
+        self._check_transport(self.url, any(SECRET_HEADER.search(n) for n in self.headers), "url")
+        return self
+
+
+class JudgeReward(RemoteReward):
+    type: Literal["judge"]
+    base_url: str = Field(..., description="An OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1 "
+                          "(vLLM, TGI, llama.cpp, a hosted API); POST base_url/chat/completions.")
+    model: str = Field(..., min_length=1, description="The model name the server expects.")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="Environment variable holding the API key (sent as a Bearer token).")
+    prompt: str = Field(..., description="A template file with {prompt} and {response}, sent as the user message.")
+    scale: tuple[float, float] = Field((1.0, 10.0), description="The judge's answer is a number in [low, high]; mapped to [0, 1].")
+    max_tokens: int = Field(16, gt=0, description="Tokens the judge may answer with.")
+
+    @model_validator(mode="after")
+    def _safe(self) -> "JudgeReward":
+        if self.scale[1] <= self.scale[0]:
+            raise _rule_error(f"must be [low, high] with low < high, got {list(self.scale)}", "e.g. scale: [1, 10]", key="scale")
+        self._check_transport(self.base_url, self.api_key_env is not None, "base_url")
+        return self
+
+
+# Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below, its
+# scorer in engine/rewards.py's SCORERS and its file and server checks in reward_checks.py's CHECKS.
+RewardComponent = Annotated[Union[ModelReward, ClassifierReward, FunctionReward, HttpReward, JudgeReward],
+                            Field(discriminator="type")]
 
 
 class RewardConfig(Section):
     components: list[RewardComponent] = Field(
-        ..., min_length=1, description="Reward components (type: model | classifier | function); the score is their weighted sum."
+        ..., min_length=1, description="Reward components (type: model | classifier | function | http | judge); the score is their weighted sum."
     )
     missing_eos_penalty: float | None = Field(
         None, ge=0.0, description="Subtracted from the score of a response with no stop token (TRL's missing_eos_penalty)."
@@ -471,6 +555,10 @@ class MonitorConfig(Section):
     )
     ratio_tolerance: float = Field(
         0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
+    )
+    reward_failed_high: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Warn when more than this fraction of an update's completions got no reward "
+        "(reward/failed_rate: a server, judge or function failed for them; they left the update).",
     )
 
     @model_validator(mode="after")

@@ -24,7 +24,10 @@ KEY_METRICS = (
 
 
 def metrics_line(metrics: dict) -> str:
-    return "  ".join(fmt.format(metrics[key]).join((f"{label} ", "")) for key, label, fmt in KEY_METRICS if key in metrics)
+    line = "  ".join(fmt.format(metrics[key]).join((f"{label} ", "")) for key, label, fmt in KEY_METRICS if key in metrics)
+    if metrics.get("reward/failed_rate"):  # episodes without a reward left the update
+        line += f"  no reward {metrics['reward/failed_rate']:.0%}"
+    return line
 
 
 class TrainProgress:
@@ -187,9 +190,10 @@ def print_rollout(out: str, rows: int, prompts: int, model: str) -> None:
     _say(f"wrote {rows} rows ({prompts} prompts) from {model} to {out}")
 
 
-def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float]) -> None:
+def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0) -> None:
     parts = ", ".join(f"{name} {_signed(value)}" for name, value in components.items())
-    _say(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}); wrote {out}")
+    unscored = f"; {failed} rows without a reward (null)" if failed else ""
+    _say(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}){unscored}; wrote {out}")
 
 
 def _metric_rows(summary: dict) -> list[tuple[str, str]]:
@@ -200,6 +204,8 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
     rows += [(f"  {name}", _signed(value, 3)) for name, value in summary["reward_components"].items()]
+    if summary.get("reward_failed"):
+        rows.append(("rows without a reward", str(summary["reward_failed"])))
     return rows
 
 

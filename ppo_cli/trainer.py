@@ -90,9 +90,11 @@ def make_scheduler(optimizer, optim: OptimConfig, total_updates: int):
 def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_sum=None,
                        group_size: int = 1) -> Advantages:
     """``reduce_sum`` sums across processes, so whitening uses the global batch's statistics.
-    ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations)."""
-    mask = rollout.generation.response_mask
-    kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~mask, 0.0)
+    ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
+    Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
+    count in no whitening statistic."""
+    kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.response_mask, 0.0)
+    mask = rollout.train_mask
     if ppo.critic_free:
         return critic_free_advantages(rollout, kl, 0.0 if ppo.kl_in_loss else kl_coef, ppo, reduce_sum, group_size)
     if ppo.kl_in_loss:
@@ -113,7 +115,7 @@ def critic_free_advantages(rollout: Rollout, kl: torch.Tensor, kl_coef: float, p
     response from the score (TRL's RLOO: rlhf_reward = score - kl_coef * kl.sum); reinforce_pp puts it
     on every token. Groups are whole on each process (train_step repeats prompts after splitting them),
     so only reinforce_pp's whitening needs the other processes."""
-    mask = rollout.generation.response_mask
+    mask = rollout.train_mask
     rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
     if ppo.advantage == "reinforce_pp":
         if group_size > 1:
@@ -162,9 +164,10 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     """Loss on a few episodes, trimmed to their longest response (padding costs no compute)."""
     ppo, gen = state.recipe.ppo, rollout.generation
     T = max(1, int(gen.response_mask[rows].sum(dim=1).max()))
-    response_ids, mask = gen.response_ids[rows, :T], gen.response_mask[rows, :T]
+    response_ids = gen.response_ids[rows, :T]
     sequences = torch.cat([gen.prompt_ids[rows], response_ids], dim=1)
-    attention_mask = torch.cat([gen.prompt_mask[rows], mask], dim=1)
+    attention_mask = torch.cat([gen.prompt_mask[rows], gen.response_mask[rows, :T]], dim=1)
+    mask = rollout.train_mask[rows, :T]  # episodes without a reward leave the loss
 
     fixed = rollout.fixed_value_features
     logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
@@ -173,7 +176,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
     weights = None
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
-        weights = truncated_is_weights(rollout.logprobs[rows, :T], rollout.sampler_logprobs[rows, :T], mask,
+        weights = truncated_is_weights(rollout.logprobs[rows, :T], rollout.sampler_logprobs[rows, :T], gen.response_mask[rows, :T],
                                        ppo.rollout_is_clip)
     max_len = state.recipe.generation.max_new_tokens
     policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], loss_mask,
@@ -284,7 +287,8 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
                     group_size: int = 1) -> dict[str, float]:
     """TRL's objective/* names: sums over response tokens, means over the episodes of all processes."""
     mask = rollout.generation.response_mask
-    scores = dist.gather(rollout.scores)
+    scored = rollout.scored if rollout.scored is not None else torch.ones_like(rollout.scores, dtype=torch.bool)
+    scores = dist.gather(rollout.scores)[dist.gather(scored.float()) > 0]  # the episodes that have a reward
     kl_sum = dist.gather(adv.kl.sum(dim=1))
     non_score = dist.gather(adv.non_score_rewards.sum(dim=1))
     all_mask = dist.gather(mask)
@@ -293,8 +297,8 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         "objective/kl": kl_sum.mean().item(),
         "objective/entropy": dist.gather((-rollout.logprobs * mask).sum(dim=1)).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (non_score + scores).mean().item(),
-        "objective/scores": scores.mean().item(),
+        "objective/rlhf_reward": non_score.mean().item() + (scores.mean().item() if len(scores) else float("nan")),
+        "objective/scores": scores.mean().item() if len(scores) else float("nan"),
         "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
         "objective/kl_coef": kl_coef,
         "eos_rate": dist.gather(rollout.generation.finished.float()).mean().item(),
@@ -316,8 +320,25 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         diff = dist.gather((rollout.logprobs - rollout.sampler_logprobs).abs())[all_mask]
         metrics["rollout/logprob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
         metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
+    metrics.update(reward_component_metrics(rollout, dist))
+    return metrics
+
+
+def reward_component_metrics(rollout: Rollout, dist: Distributed) -> dict[str, float]:
+    """reward/NAME: each component's mean over the episodes it scored; reward/failed_rate/NAME: the
+    fraction it failed to score (the components that can fail: functions, servers, judges);
+    reward/failed_rate: the episodes without a reward (they left the update)."""
+    metrics = {}
+    device = rollout.scores.device
     for name, component in rollout.score_components.items():
-        metrics[f"reward/{name}"] = dist.gather(torch.tensor(component, dtype=torch.float64, device=scores.device)).mean().item()
+        failed = dist.gather(torch.tensor([v is None for v in component], dtype=torch.float64, device=device))
+        values = dist.gather(torch.tensor([0.0 if v is None else v for v in component], dtype=torch.float64, device=device))
+        kept = values[failed == 0]
+        metrics[f"reward/{name}"] = kept.mean().item() if len(kept) else float("nan")
+        if name in (rollout.reward_failures or {}):
+            metrics[f"reward/failed_rate/{name}"] = failed.mean().item()
+    if rollout.scored is not None:
+        metrics["reward/failed_rate"] = 1.0 - dist.gather(rollout.scored.double()).mean().item()
     return metrics
 
 
@@ -411,6 +432,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
         rollout = engine.collect_rollout(prompts)
     rollout_seconds = time.perf_counter() - started
+    rollout = check_rewards(rollout, state, G)
 
     kl_coef = state.kl_controller.value
     adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
@@ -453,6 +475,27 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
     })
     return metrics, rollout
+
+
+def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollout:
+    """Stop when no episode of the update has a reward (on any process): nothing to learn from, and
+    the server or judge that failed is named. Critic-free estimators compare a completion with its
+    group, so a group with one episode unscored leaves the update whole."""
+    from ppo_cli.errors import RewardServerError
+
+    if rollout.scored is None:
+        return rollout
+    scored = rollout.scored
+    if state.recipe.ppo.critic_free and group_size > 1:
+        scored = scored.view(-1, group_size).all(dim=1).repeat_interleave(group_size)
+    if state.dist.any(bool(scored.any())):
+        return rollout._replace(scored=scored)
+    failures = [f for part in state.dist.gather_objects(rollout.reward_failures or {}) for f in part.values() if f]
+    raise RewardServerError(
+        f"update {state.step + 1}: no completion got a reward: {failures[0] if failures else 'every group had a failure'}",
+        hint="the checkpoints written so far are intact; once the reward answers again, continue with "
+             "ppo train RECIPE --resume",
+    )
 
 
 def perf_metrics(state: TrainState, generation, rollout_seconds: float, update_seconds: float) -> dict[str, float]:

@@ -42,10 +42,18 @@ class Rollout(NamedTuple):
     logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
     values: torch.Tensor | None  # (B, T) V_old(state before each response token); None without a critic
-    scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties
-    score_components: dict[str, list[float]]  # component name -> per-episode value (penalties included)
+    scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties; 0 where not scored
+    score_components: dict[str, list]  # component name -> per-episode value (penalties included); None: failed
     fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update
     sampler_logprobs: torch.Tensor | None = None  # (B, T) a separate sampler's (vLLM) log-probs of the tokens, 0 outside
+    scored: torch.Tensor | None = None  # (B,) bool, True where every reward component scored the episode (None: all)
+    reward_failures: dict[str, str] | None = None  # component name -> its latest failure this rollout, one line
+
+    @property
+    def train_mask(self) -> torch.Tensor:  # (B, T)
+        """response_mask less the episodes without a reward: what the losses and whitening count."""
+        mask = self.generation.response_mask
+        return mask if self.scored is None else mask & self.scored.unsqueeze(1)
 
 
 class Advantages(NamedTuple):

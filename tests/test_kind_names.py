@@ -17,9 +17,10 @@ def test_value_kind_accepts_auto_and_each_critic_kind():
     assert get_args(ValueConfig.model_fields["kind"].annotation) == ("auto", "adapter", "head", "model", "none")
 
 
-def test_reward_types_in_the_schema_are_the_scorers():
+def test_reward_types_in_the_schema_are_the_scorers_and_the_checks():
     from ppo_cli.engine.rewards import SCORERS
+    from ppo_cli.reward_checks import CHECKS
 
     union = get_args(get_args(RewardComponent)[0])
     types = [get_args(cls.model_fields["type"].annotation)[0] for cls in union]
-    assert sorted(types) == sorted(SCORERS) == ["classifier", "function", "model"]
+    assert sorted(types) == sorted(SCORERS) == sorted(CHECKS) == ["classifier", "function", "http", "judge", "model"]

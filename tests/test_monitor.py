@@ -69,6 +69,7 @@ RULE_CASES = {
     "eos_stuck": ({"eos_rate": lambda s: 0.0}, 10),
     "ratio_mismatch": ({"val__ratio_first_minibatch": lambda s: 0.7 + jitter(s)}, 3),
     "groups_without_signal": ({"frac_reward_zero_std": lambda s: 0.75 + jitter(s, 0.1)}, 10),
+    "reward_failures": ({"reward__failed_rate": lambda s: 0.2}, 1),
 }
 
 
@@ -210,3 +211,13 @@ def test_every_recipe_key_a_rule_names_exists(rule):
     assert keys, f"{rule.id}: the fix should name the recipe key to change"
     for key in keys:
         assert _resolves(key.split(".")), f"{rule.id} names {key}, which is not a recipe key"
+
+
+def test_reward_failures_warn_at_the_first_update_with_a_failed_reward():
+    from ppo_cli.monitor import HealthMonitor
+
+    monitor = HealthMonitor(MonitorConfig())
+    assert monitor.observe({"reward/failed_rate": 0.0}, 1) == []
+    (warning,) = [w for w in monitor.observe({"reward/failed_rate": 0.25}, 2) if w.rule == "reward_failures"]
+    assert warning.message == "25% of the completions got no reward at the last update (above 0)"
+    assert HealthMonitor(MonitorConfig(reward_failed_high=0.3)).observe({"reward/failed_rate": 0.25}, 1) == []

@@ -151,21 +151,21 @@ def test_near_miss_literal_suggests_the_value(tmp_path):
     path = variant(tmp_path, "  path: tiny/policy\n", "  path: tiny/policy\n  dtype: bfloat\n")
     assert error(path).hint == "did you mean 'bfloat16'? allowed values: 'float32', 'bfloat16', 'float16' or 'auto'"
     path = variant(tmp_path, "    - type: function\n", "    - type: Model\n")
-    assert error(path).hint == "did you mean 'model'? allowed values: 'model', 'classifier', 'function'"
+    assert error(path).hint == "did you mean 'model'? allowed values: 'model', 'classifier', 'function', 'http', 'judge'"
 
 
 def test_bad_reward_type_lists_allowed_types(tmp_path):
     path = variant(tmp_path, "    - type: function\n", "    - type: python\n")
     err = error(path)
     assert err.message == f"{path}:8: reward.components.0.type: invalid value 'python'"
-    assert err.hint == "allowed values: 'model', 'classifier', 'function'"
+    assert err.hint == "allowed values: 'model', 'classifier', 'function', 'http', 'judge'"
 
 
 def test_reward_component_without_type(tmp_path):
     path = variant(tmp_path, "    - type: function\n      function:", "    - function:")
     err = error(path)
     assert err.message == f"{path}:8: reward.components.0.type: missing required key"
-    assert err.hint == "add `type:` to this item; allowed values: 'model', 'classifier', 'function'"
+    assert err.hint == "add `type:` to this item; allowed values: 'model', 'classifier', 'function', 'http', 'judge'"
 
 
 def test_error_inside_a_reward_component_has_no_union_tag_in_its_path(tmp_path):

@@ -44,10 +44,12 @@ def pair_rows(rows_a: list[dict], rows_b: list[dict]) -> list[dict]:
 def difference(pairs: list[dict], seed: int, n_resamples: int = 2000) -> dict:
     from ppo_cli.stats import bootstrap_mean_diff_ci, mean, win_rate
 
-    a, b = [p["a_reward"] for p in pairs], [p["b_reward"] for p in pairs]
+    # a pair in which either reward failed (None) compares nothing: left out, and counted
+    scored = [p for p in pairs if p["a_reward"] is not None and p["b_reward"] is not None]
+    a, b = [p["a_reward"] for p in scored], [p["b_reward"] for p in scored]
     low, high = bootstrap_mean_diff_ci(a, b, seed=seed, n_resamples=n_resamples)
     return {"mean_reward_diff": mean(b) - mean(a), "ci95": [low, high], "win_rate_b": win_rate(a, b),
-            "pairs": len(pairs), "bootstrap": {"resamples": n_resamples, "seed": seed, "method": "paired percentile"}}
+            "pairs": len(scored), "pairs_without_reward": len(pairs) - len(scored), "bootstrap": {"resamples": n_resamples, "seed": seed, "method": "paired percentile"}}
 
 
 def run(recipe: Recipe, model_a: ResolvedModel, model_b: ResolvedModel, prompts: list[str],

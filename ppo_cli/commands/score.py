@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
 from ppo_cli.errors import DataError
-from ppo_cli.evaluation import score_rows
+from ppo_cli.evaluation import score_rows, scored_mean
 from ppo_cli.recipe import Recipe
 
 
@@ -21,7 +21,8 @@ class ScoreRunResult:
     out: Path
     rows: int
     mean_reward: float
-    components: dict[str, float]  # name -> mean value
+    components: dict[str, float]  # name -> mean value over the rows it scored
+    failed: int = 0  # rows without a reward (a component failed to score them)
 
 
 def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
@@ -54,11 +55,11 @@ _KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", (str, 
 def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     from ppo_cli.engine.inference import load_reward_stack
     from ppo_cli.runs import write_jsonl_atomic
-    from ppo_cli.stats import mean
 
     rows = read_rollouts(rollouts, recipe)
     scored = score_rows(load_reward_stack(recipe), rows)
     write_jsonl_atomic(out, scored)
     names = list(scored[0]["reward_components"])
-    components = {name: mean([r["reward_components"][name] for r in scored]) for name in names}
-    return ScoreRunResult(Path(out), len(scored), mean([r["reward"] for r in scored]), components)
+    components = {name: scored_mean([r["reward_components"][name] for r in scored]) for name in names}
+    failed = sum(r["reward"] is None for r in scored)
+    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed)

@@ -65,10 +65,10 @@ def peak_memory_gb() -> float:
 
 
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """Everything that can fail before a model is loaded: prompts, reward functions, model paths."""
+    """Everything that can fail before a model is loaded: prompts, reward functions and servers, model paths."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.engine.rewards import load_reward_function
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
+    from ppo_cli.reward_checks import check_reward_components
 
     from ppo_cli.commands.inputs import check_vllm_backend
 
@@ -81,11 +81,7 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
             check_model_reference(path)
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
-    for component in recipe.reward.components:
-        if component.type == "function":
-            load_reward_function(component.function)
-        else:
-            check_model_reference(component.path)
+    check_reward_components(recipe.reward, import_functions=True)  # files, credentials, and that each server answers
     from ppo_cli.tracking import check_trackers
 
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
@@ -124,7 +120,8 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
     for i in range(min(recipe.train.num_samples, len(rollout.prompts))):
         writer.write({
             "step": step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
-            "score": float(rollout.scores[i]), "finished": bool(rollout.generation.finished[i]),
+            "score": float(rollout.scores[i]) if rollout.scored is None or rollout.scored[i] else None,
+            "finished": bool(rollout.generation.finished[i]),
         })
 
 

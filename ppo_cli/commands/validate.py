@@ -28,11 +28,12 @@ class ValidateResult:
 
 def check_recipe_files(recipe: Recipe) -> None:
     """The files the recipe names, as `ppo train` checks them before loading anything: prompts files
-    (readable, not empty), model paths (a saved model, or a hub id), reward function files. A
-    reward function is not imported here: its module's code runs only when training asks for it."""
+    (readable, not empty), model paths (a saved model, or a hub id), each reward component's files,
+    and that each reward server and judge answers (reward_checks.py). A reward function is not
+    imported here: its module's code runs only when training asks for it."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.errors import DataError, RewardFunctionError
-    from ppo_cli.model_refs import check_adapter_reference, check_model_reference, has_chat_template
+    from ppo_cli.model_refs import check_adapter_reference, check_model_reference
+    from ppo_cli.reward_checks import check_reward_components
 
     for which in ("prompts", "eval_prompts"):
         if getattr(recipe.data, which):
@@ -42,40 +43,7 @@ def check_recipe_files(recipe: Recipe) -> None:
             check_model_reference(path)
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
-    for component in recipe.reward.components:
-        if component.type != "function":
-            check_model_reference(component.path)
-            if component.text == "conversation" and has_chat_template(component.path) is False:
-                raise DataError(
-                    f"reward component '{component.path}' reads text: conversation but its tokenizer has no chat template",
-                    hint="use a reward model whose tokenizer has a chat template, or text: prompt_and_response / response",
-                )
-            continue
-        target, _, name = component.function.rpartition(":")
-        if target.endswith(".py") and not Path(target).is_file():
-            raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
-        if target.endswith(".py"):
-            _check_defines(Path(target), name)
-
-
-def _check_defines(path: Path, name: str) -> None:
-    """The file defines ``name`` at its top level: read, not run (its code runs only when training)."""
-    import ast
-    import difflib
-
-    from ppo_cli.errors import RewardFunctionError
-
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, OSError):
-        return  # importing it says what is wrong, when training
-    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-    defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
-    if name not in defined:
-        close = difflib.get_close_matches(name, sorted(defined), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"define def {name}(prompts, responses) -> list[float]"
-        raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
+    check_reward_components(recipe.reward)
 
 
 def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:

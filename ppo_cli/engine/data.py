@@ -32,6 +32,7 @@ _FIELD_HINT = "name the prompt column with data.field in the recipe (or --field)
 class PromptSet:
     prompts: list[Prompt]
     skipped_blank: int = 0  # blank lines skipped in a .txt file, reported to the user
+    columns: list[dict] = field(default_factory=list)  # per prompt, its row's other fields ([] for .txt)
 
 
 def is_conversation(prompt: Prompt) -> bool:
@@ -135,6 +136,7 @@ def _read_jsonl(path: Path, field_name: str | None) -> PromptSet:
     """Line-numbered errors: every row needs the column the first row has (data.field, else
     'prompt', else 'messages')."""
     prompts: list[Prompt] = []
+    others: list[dict] = []
     column = None
     for lineno, row in read_jsonl_objects(path):
         where = f"{path}:{lineno}"
@@ -144,14 +146,18 @@ def _read_jsonl(path: Path, field_name: str | None) -> PromptSet:
             keys = ", ".join(sorted(row)) or "none"
             raise DataError(f"{where}: no '{column}' field (fields: {keys})", hint=_FIELD_HINT)
         prompts.append(prompt_from_value(row[column], column, where))
-    return PromptSet(prompts)
+        others.append({k: v for k, v in row.items() if k != column})
+    return PromptSet(prompts, columns=others)
 
 
 def _read_dataset(dataset, field_name: str | None, source: str) -> PromptSet:
     """Prompts of a ``datasets.Dataset``; errors name the row by its index."""
     column = _pick_column(dataset.column_names, field_name, source)
     values = dataset[column]
-    return PromptSet([prompt_from_value(v, column, f"{source}: row {i}") for i, v in enumerate(values)])
+    other_names = [c for c in dataset.column_names if c != column]
+    other_values = {c: dataset[c] for c in other_names}
+    others = [{c: other_values[c][i] for c in other_names} for i in range(len(values))]
+    return PromptSet([prompt_from_value(v, column, f"{source}: row {i}") for i, v in enumerate(values)], columns=others)
 
 
 def _read_dataset_file(path: Path, field_name: str | None) -> PromptSet:
@@ -168,7 +174,8 @@ def _read_dataset_dir(path: Path, field_name: str | None, split: str) -> PromptS
     files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".txt"))
     if files:
         sets = [_read_jsonl(p, field_name) if p.suffix == ".jsonl" else _read_txt(p) for p in files]
-        return PromptSet([p for s in sets for p in s.prompts], sum(s.skipped_blank for s in sets))
+        columns = [c for s in sets for c in (s.columns or [{}] * len(s.prompts))]
+        return PromptSet([p for s in sets for p in s.prompts], sum(s.skipped_blank for s in sets), columns)
     datasets = _import_datasets(str(path))
     try:
         dataset = datasets.load_from_disk(str(path))
@@ -273,6 +280,49 @@ def check_reward_reads_conversations(reward, prompts: list[Prompt]) -> None:
                 hint="set `text: conversation` (the reward model's chat template is applied to prompt + response) "
                 "or `text: response`",
             )
+
+
+def prompt_key(prompt: Prompt) -> str:
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+class PromptColumns:
+    """The dataset's other columns of each prompt (e.g. a reference ``answer``), found by the prompt
+    itself: a rollout's prompts are the data's rows, repeated and reordered, so the prompt names its row.
+    A prompt that appears in two rows with different columns cannot be told apart: refused, but only
+    when a reward asks for the columns."""
+
+    def __init__(self, sources: list[PromptSet] = ()):
+        self._rows: dict[str, dict] = {}
+        self._ambiguous: set[str] = set()
+        for prompt_set in sources:
+            self.add(prompt_set)
+
+    def add(self, prompt_set: PromptSet) -> None:
+        for prompt, row in zip(prompt_set.prompts, prompt_set.columns):
+            key = prompt_key(prompt)
+            if key in self._rows and self._rows[key] != row:
+                self._ambiguous.add(key)
+            self._rows.setdefault(key, row)
+
+    def columns_for(self, prompts: list[Prompt]) -> dict[str, list]:
+        """Column name -> (B,) values for ``prompts`` (None where a row lacks the column)."""
+        rows = []
+        for prompt in prompts:
+            key = prompt_key(prompt)
+            if key in self._ambiguous:
+                shown = key if len(key) <= 60 else key[:60] + "..."
+                raise DataError(f"prompt {shown} appears in two rows with different columns, so a reward cannot "
+                                "be given its row's columns", hint="make the prompts unique (or their columns equal)")
+            rows.append(self._rows.get(key, {}))
+        names = list(dict.fromkeys(name for row in rows for name in row))
+        return {name: [row.get(name) for row in rows] for name in names}
+
+
+def recipe_prompt_columns(data) -> PromptColumns:
+    """The columns of the recipe's data.prompts and data.eval_prompts."""
+    sets = [read_recipe_prompts(data)] + ([read_recipe_prompts(data, "eval_prompts")] if data.eval_prompts else [])
+    return PromptColumns(sets)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ppo_cli.engine.chat import tokenize_prompts
+from ppo_cli.engine.data import recipe_prompt_columns
 from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
 from ppo_cli.engine.actor_critic import (
     ActorCritic,
@@ -121,11 +122,13 @@ class Engine:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
 
     def score(self, prompts: list[str], responses: list[str], generation: Generation,
-              shared: SharedForward | None = None) -> ScoreResult:
-        """``shared``: the reward model's scores already taken from the critic's forward."""
+              shared: SharedForward | None = None, pending=None) -> ScoreResult:
+        """``shared``: the reward model's scores already taken from the critic's forward; ``pending``:
+        the remote components' requests already sent (RewardStack.start)."""
         known = {shared.component: shared.scores} if shared is not None else None
         return self.reward.score(
-            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known
+            prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known,
+            pending=pending,
         )
 
     def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
@@ -223,14 +226,20 @@ class Engine:
         if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
             sampler_logprobs, sampled = sampled.logprobs, None
         responses = self.decode_responses(generation)
+        # Requests to reward servers and judges go out now, so their latency overlaps the forwards below.
+        pending = self.reward.start(prompts, responses)
         shared = self.shared_reward_forward(prompts, responses, generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
             generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None
         )
-        result = self.score(prompts, responses, generation, shared)
-        scores = torch.tensor(result.scores, dtype=torch.float32, device=self.device)
+        result = self.score(prompts, responses, generation, shared, pending)
+        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
+        scored, failures = None, None
+        if self.reward.failable:  # components that may leave an episode without a reward
+            scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
+            failures = {name: result.failures.get(name, "") for name in self.reward.failable}
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
-                       fixed_features, sampler_logprobs)
+                       fixed_features, sampler_logprobs, scored, failures)
 
 
 def quiet_libraries() -> None:
@@ -318,7 +327,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe)
-    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt)
+    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data))
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     actor_critic = build_actor_critic(recipe, device, reward_models)
     if device.type == "cpu":

@@ -56,9 +56,16 @@ def _same_adapter(a: str | None, b: str | None) -> bool:
 
 
 def load_reward_stack(recipe: Recipe) -> RewardStack:
-    """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`)."""
+    """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`);
+    its files checked and its servers asked whether they answer first, before anything loads."""
+    from ppo_cli.engine.data import recipe_prompt_columns
+    from ppo_cli.reward_checks import check_reward_components
+
+    check_reward_components(recipe.reward)
     quiet_libraries()
-    return RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt)
+
+    return RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
+                       lambda: recipe_prompt_columns(recipe.data))
 
 
 def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:

@@ -1,87 +1,32 @@
-"""Rewards: scalar reward models, classifiers with a label->value map, Python functions, penalties.
+"""Rewards: scalar reward models, classifiers with a label->value map, the other types' scorers
+(SCORERS), penalties.
 
 A reward is a weighted sum of components, minus penalties (missing stop token, over-length).
-Every component's per-episode value is kept so `ppo score` and the metrics can show them.
+Every component's per-episode value is kept so `ppo score` and the metrics can show them. A
+component may fail to score a completion (a server that timed out, a judge answer with no number, a
+function's None): its value is then None, and so is that completion's total. Components with an
+``ascore`` coroutine (http, judge, async functions) are awaited together in a thread of their own
+while the others (reward models) score here.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib
-import importlib.util
-import inspect
-import sys
-from dataclasses import dataclass
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import torch
 
 from ppo_cli.engine.chat import check_chat_template, conversation_text
-from ppo_cli.engine.data import is_conversation
-from ppo_cli.errors import DataError, RecipeError, RewardFunctionError, RewardFunctionFailed
-from ppo_cli.recipe import ClassifierReward, FunctionReward, ModelReward, RewardConfig
-
-
-def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
-    """Import 'package.module:name' or 'path/to/file.py:name' and check it takes (prompts, responses)."""
-    target, _, name = spec.rpartition(":")
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
-            module_name = f"ppo_reward_{abs(hash(str(path.resolve())))}"
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except RewardFunctionError:
-        raise
-    except Exception as err:  # the user's module raised while importing
-        raise RewardFunctionError(
-            f"cannot import reward function module '{target}': {type(err).__name__}: {err}"
-        ) from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"'{target}' has no function '{name}'", hint=f"define def {name}(prompts, responses) -> list[float]")
-    try:
-        inspect.signature(fn).bind(["p"], ["r"])
-    except TypeError:
-        raise RewardFunctionError(
-            f"reward function '{spec}' must take two arguments (prompts, responses)",
-            hint=f"def {name}(prompts: list[str], responses: list[str]) -> list[float]",
-        ) from None
-    return fn
-
-
-class FunctionScorer:
-    def __init__(self, component: FunctionReward, device: torch.device | None = None, system_prompt: str | None = None):
-        self.spec = component.function
-        self.fn = load_reward_function(component.function)
-
-    def __call__(self, prompts: list, responses: list[str]) -> list[float]:
-        """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
-        lists of {role, content} for conversations (without data.system_prompt); copies, so the
-        function cannot change the rollout's prompts."""
-        try:
-            values = self.fn(copy.deepcopy(list(prompts)), list(responses))
-        except Exception as err:
-            raise RewardFunctionFailed(
-                f"reward function '{self.spec}' raised {type(err).__name__}: {err}",
-                hint="fix the function; run again with --debug for its traceback",
-            ) from err
-        try:
-            values = [float(v) for v in values]
-        except (TypeError, ValueError):
-            raise RewardFunctionError(f"reward function '{self.spec}' must return a list of numbers") from None
-        if len(values) != len(responses):
-            raise RewardFunctionError(
-                f"reward function '{self.spec}' returned {len(values)} values for {len(responses)} responses"
-            )
-        return values
+from ppo_cli.engine.data import PromptColumns, is_conversation
+from ppo_cli.engine.function_reward import FunctionScorer, load_reward_function  # noqa: F401 - the public names
+from ppo_cli.engine.http_reward import HttpScorer
+from ppo_cli.engine.judge import JudgeScorer
+from ppo_cli.errors import DataError, RecipeError
+from ppo_cli.recipe import ClassifierReward, FunctionReward, HttpReward, JudgeReward, ModelReward, RewardConfig
 
 
 class ModelScorer:
@@ -189,12 +134,17 @@ def check_has_trained_score_head(config, path: str) -> None:
 
 
 # A reward component's ``type`` -> the class that scores with it, built as cls(component, device, system_prompt).
-SCORERS = {"model": ModelScorer, "classifier": ModelScorer, "function": FunctionScorer}
+SCORERS = {"model": ModelScorer, "classifier": ModelScorer, "function": FunctionScorer, "http": HttpScorer,
+           "judge": JudgeScorer}
 
 
 def _component_name(component, index: int, taken: set[str]) -> str:
     if isinstance(component, FunctionReward):
         base = component.function.rpartition(":")[2]
+    elif isinstance(component, HttpReward):
+        base = f"http:{urlsplit(component.url).netloc}"
+    elif isinstance(component, JudgeReward):
+        base = f"judge:{component.model}"
     else:
         base = f"{component.type}:{Path(component.path.rstrip('/')).name}"
     name = base if base not in taken else f"{base}#{index}"
@@ -204,46 +154,125 @@ def _component_name(component, index: int, taken: set[str]) -> str:
 
 @dataclass
 class ScoreResult:
-    scores: list[float]  # (B,) the total reward of each episode
-    components: dict[str, list[float]]  # name -> (B,) values before weighting; penalties as negative numbers
+    scores: list  # (B,) the total reward of each episode; None where a component failed to score it
+    components: dict[str, list]  # name -> (B,) values before weighting (None: failed); penalties as negative numbers
+    failures: dict[str, str] = field(default_factory=dict)  # component name -> its latest failure, said in one line
+
+    @property
+    def scored(self) -> list[bool]:
+        """(B,) True where every component scored the episode."""
+        return [score is not None for score in self.scores]
 
 
 class RewardStack:
     """The recipe's reward: components summed with their weights, then the penalties."""
 
-    def __init__(self, config: RewardConfig, device: torch.device, system_prompt: str | None = None):
+    def __init__(self, config: RewardConfig, device: torch.device, system_prompt: str | None = None,
+                 columns: PromptColumns | Callable[[], PromptColumns] | None = None):
         """``system_prompt``: the recipe's data.system_prompt, part of the conversation a
-        ``text: conversation`` component reads."""
+        ``text: conversation`` component reads. ``columns``: the prompts' other dataset columns, or
+        what reads them (called the first time a component asks)."""
         self.config = config
+        self._columns = columns
         taken: set[str] = set()
         self.scorers = []
         for index, component in enumerate(config.components):
             scorer = SCORERS[component.type](component, device, system_prompt)
             self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
 
+    @property
+    def failable(self) -> list[str]:
+        """The components that may leave an episode without a reward (None), by name."""
+        return [name for name, _, scorer in self.scorers if hasattr(scorer, "failure")]
+
+    def columns_for(self, prompts: list) -> dict[str, list]:
+        if callable(self._columns):
+            self._columns = self._columns()
+        return self._columns.columns_for(prompts) if self._columns is not None else {}
+
+    def start(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> "PendingScores":
+        """Send the asynchronous components' requests now, in a worker thread; ``score(...,
+        pending=)`` collects them. The rollout calls this before its log-prob and value forwards,
+        so a server's or judge's latency overlaps them."""
+        if columns is None and any(getattr(s, "reads_columns", False) for _, _, s in self.scorers):
+            columns = self.columns_for(prompts)
+        columns = columns or {}
+        for _, _, scorer in self.scorers:
+            if hasattr(scorer, "failure"):
+                scorer.failure = None
+        waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore")]
+
+        async def together():
+            return await asyncio.gather(*(self.scorers[i][2].ascore(prompts, responses, columns) for i in waiting),
+                                        return_exceptions=True)
+
+        pool = ThreadPoolExecutor(max_workers=1) if waiting else None
+        return PendingScores(columns, waiting, pool, pool.submit(asyncio.run, together()) if waiting else None)
+
     def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
-              known: dict[int, list] | None = None) -> ScoreResult:
+              known: dict[int, list] | None = None, columns: dict[str, list] | None = None,
+              pending: "PendingScores | None" = None) -> ScoreResult:
         """``known``: component index -> (B,) values already computed (engine/shared_reward.py), None
-        for the rows that component still scores."""
-        totals = [0.0] * len(responses)
-        components: dict[str, list[float]] = {}
-        for index, (name, weight, scorer) in enumerate(self.scorers):
-            values = _fill_in(scorer, prompts, responses, (known or {}).get(index))
-            components[name] = values
-            totals = [t + weight * v for t, v in zip(totals, values)]
+        for the rows that component still scores. ``columns``: the prompts' other columns, when the
+        caller has them (else looked up by prompt). ``pending``: what start() sent for these rows."""
+        pending = pending if pending is not None else self.start(prompts, responses, columns)
+        values = self._component_values(prompts, responses, known or {}, pending)
+        totals: list = [0.0] * len(responses)
+        components: dict[str, list] = {}
+        failures: dict[str, str] = {}
+        for (name, weight, scorer), component in zip(self.scorers, values):
+            components[name] = component
+            totals = [None if t is None or v is None else t + weight * v for t, v in zip(totals, component)]
+            if any(v is None for v in component):
+                failures[name] = getattr(scorer, "failure", None) or f"{name} gave no reward"
         if self.config.missing_eos_penalty is not None:
             penalty = [0.0 if done else -self.config.missing_eos_penalty for done in finished]
             components["missing_eos_penalty"] = penalty
-            totals = [t + p for t, p in zip(totals, penalty)]
+            totals = [None if t is None else t + p for t, p in zip(totals, penalty)]
         if self.config.max_response_tokens is not None:
             limit, amount = self.config.max_response_tokens, self.config.overlength_penalty
             penalty = [-amount if n > limit else 0.0 for n in response_lengths]
             components["overlength_penalty"] = penalty
-            totals = [t + p for t, p in zip(totals, penalty)]
-        return ScoreResult(totals, components)
+            totals = [None if t is None else t + p for t, p in zip(totals, penalty)]
+        return ScoreResult(totals, components, failures)
+
+    def _component_values(self, prompts: list, responses: list[str], known: dict[int, list],
+                          pending: "PendingScores") -> list[list]:
+        """Each component's (B,) values: the synchronous ones computed here, while the asynchronous
+        ones (started by start()) finish in their thread."""
+        values: list = [None] * len(self.scorers)
+        for index, (_, _, scorer) in enumerate(self.scorers):
+            if index not in pending.waiting:
+                reads = getattr(scorer, "reads_columns", False)
+                call = (lambda p, r, s=scorer: s(p, r, pending.columns)) if reads else scorer
+                values[index] = _fill_in(call, prompts, responses, known.get(index))
+        for index, result in zip(pending.waiting, pending.results()):
+            if isinstance(result, BaseException):
+                raise result
+            values[index] = result
+        return values
 
 
-def _fill_in(scorer, prompts: list, responses: list[str], known: list | None) -> list[float]:
+@dataclass
+class PendingScores:
+    """The asynchronous components' requests for one batch, sent by RewardStack.start."""
+
+    columns: dict[str, list]
+    waiting: list[int]  # the components' indices
+    pool: ThreadPoolExecutor | None
+    future: object | None
+
+    def results(self) -> list:
+        """Each waiting component's values, or the exception it raised (bounded: every request has a timeout)."""
+        if self.future is None:
+            return []
+        try:
+            return self.future.result()
+        finally:
+            self.pool.shutdown(wait=False)
+
+
+def _fill_in(scorer, prompts: list, responses: list[str], known: list | None) -> list:
     """The scorer's values, calling it only for the rows ``known`` leaves as None."""
     if known is None:
         return scorer(prompts, responses)

@@ -148,3 +148,16 @@ def test_prompt_and_response_reward_refuses_conversations_before_loading_anythin
     with pytest.raises(DataError) as err:
         check_reward_reads_conversations(reward, ["plain", [USER]])
     assert str(err.value) == "reward.components.0 (model) reads text: prompt_and_response, but the prompts are conversations"
+
+
+def test_jsonl_rows_carry_their_other_fields_as_columns(tmp_path):
+    from ppo_cli.engine.data import PromptColumns, read_prompts
+
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2", "level": 1}\n{"prompt": "2+2?", "answer": "4"}\n')
+    prompt_set = read_prompts(path)
+    assert prompt_set.prompts == ["1+1?", "2+2?"]
+    assert prompt_set.columns == [{"answer": "2", "level": 1}, {"answer": "4"}]
+    # a rollout's prompts: repeated and reordered; a row without a column gets None there
+    assert PromptColumns([prompt_set]).columns_for(["2+2?", "1+1?", "2+2?"]) == {
+        "answer": ["4", "2", "4"], "level": [None, 1, None]}

@@ -122,10 +122,13 @@ def test_python_function_reward_from_a_file_trains(tiny_models, tmp_path):
 
 
 def _structure_overrides(recipe_path: Path, models: Path) -> dict:
-    """Keep a recipe's structure (LoRA, quantization, critic, penalties) but run it tiny and short."""
+    """Keep a recipe's structure (LoRA, quantization, critic, penalties) but run it tiny and short. A
+    recipe whose prompts are one of the repository's datasets (recipes/data/, rows with the columns its
+    reward reads) keeps them."""
+    prompts = yaml.safe_load(recipe_path.read_text())["data"]["prompts"]
     return {
         "reward.components": json.dumps(_shipped_components(recipe_path, models)),
-        "data.prompts": ROOT / "recipes/prompts/reviews.txt",
+        "data.prompts": ROOT / (prompts if prompts.startswith("recipes/data/") else "recipes/prompts/reviews.txt"),
         "data.eval_prompts": "null",
         "train.total_updates": 2, "train.save_every": 1, "train.log_every": 1,
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,

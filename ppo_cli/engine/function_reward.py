@@ -1,0 +1,129 @@
+"""reward type function: a Python function of the prompts, the responses and the rows' other columns.
+
+Called as TRL calls its reward functions: ``fn(prompts, responses, **columns)`` where each of the
+prompt rows' other dataset columns (e.g. ``answer``) is a keyword list aligned with the responses. A
+function is given the columns its signature names, or all of them if it takes ``**kwargs``; one that
+takes neither gets ``(prompts, responses)`` as before. ``async def`` functions are awaited, together
+with the recipe's other asynchronous components. A None in what it returns marks a completion it
+could not score: that completion leaves the update and is counted (reward/failed_rate).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
+from ppo_cli.recipe import FunctionReward
+
+
+def load_reward_function(spec: str) -> Callable:
+    """Import 'package.module:name' or 'path/to/file.py:name' and check it takes (prompts, responses)."""
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
+            module_name = f"ppo_reward_{abs(hash(str(path.resolve())))}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except RewardFunctionError:
+        raise
+    except Exception as err:  # the user's module raised while importing
+        raise RewardFunctionError(
+            f"cannot import reward function module '{target}': {type(err).__name__}: {err}"
+        ) from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"'{target}' has no function '{name}'", hint=f"define def {name}(prompts, responses) -> list[float]")
+    try:
+        inspect.signature(fn).bind_partial(["p"], ["r"])  # further parameters are dataset columns
+    except TypeError:
+        raise RewardFunctionError(
+            f"reward function '{spec}' must take two arguments (prompts, responses)",
+            hint=f"def {name}(prompts: list[str], responses: list[str], **columns) -> list[float]",
+        ) from None
+    return fn
+
+
+def required_columns(fn: Callable) -> set[str]:
+    """The column parameters ``fn`` cannot do without (no default)."""
+    parameters = list(inspect.signature(fn).parameters.values())[2:]
+    return {p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def accepted_columns(fn: Callable) -> set[str] | None:
+    """The keyword names ``fn`` takes past (prompts, responses); None when it takes ``**kwargs`` (all)."""
+    parameters = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {p.name for p in positional[2:]} | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+class FunctionScorer:
+    def __init__(self, component: FunctionReward, device=None, system_prompt: str | None = None):
+        self.spec = component.function
+        self.fn = load_reward_function(component.function)
+        self.columns = accepted_columns(self.fn)
+        self.reads_columns = self.columns is None or bool(self.columns)
+        self.failure: str | None = None
+        self.where = f"reward function '{self.spec}'"
+        if inspect.iscoroutinefunction(self.fn):
+            self.ascore = self._ascore
+
+    def _arguments(self, prompts: list, responses: list[str], columns: dict[str, list] | None) -> tuple[tuple, dict]:
+        """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
+        lists of {role, content} for conversations (without data.system_prompt); copies, so the
+        function cannot change the rollout's prompts."""
+        columns = columns or {}
+        missing = sorted(required_columns(self.fn) - set(columns))
+        if missing:
+            raise RewardFunctionError(
+                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which the prompt rows do not have",
+                hint="use a .jsonl or dataset for data.prompts whose rows carry them (each row's other fields are its columns)",
+            )
+        chosen = columns if self.columns is None else {k: v for k, v in columns.items() if k in self.columns}
+        return (copy.deepcopy(list(prompts)), list(responses)), copy.deepcopy(chosen)
+
+    def __call__(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> list[float | None]:
+        args, kwargs = self._arguments(prompts, responses, columns)
+        try:
+            values = self.fn(*args, **kwargs)
+        except Exception as err:
+            raise self._raised(err) from err
+        return self._checked(values, len(responses))
+
+    async def _ascore(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> list[float | None]:
+        args, kwargs = self._arguments(prompts, responses, columns)
+        try:
+            values = await self.fn(*args, **kwargs)
+        except Exception as err:
+            raise self._raised(err) from err
+        return self._checked(values, len(responses))
+
+    def _raised(self, err: Exception) -> RewardFunctionFailed:
+        return RewardFunctionFailed(f"reward function '{self.spec}' raised {type(err).__name__}: {err}",
+                                    hint="fix the function; run again with --debug for its traceback")
+
+    def _checked(self, values, count: int) -> list[float | None]:
+        try:
+            values = [None if v is None else float(v) for v in values]
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function '{self.spec}' must return a list of numbers") from None
+        if len(values) != count:
+            raise RewardFunctionError(f"reward function '{self.spec}' returned {len(values)} values for {count} responses")
+        missing = sum(v is None for v in values)
+        if missing:
+            self.failure = f"reward function '{self.spec}' returned None for {missing} of {count} responses"
+        return values

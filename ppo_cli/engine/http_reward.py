@@ -1,0 +1,93 @@
+"""reward type http: completions POSTed in batches to a reward server.
+
+    POST url  {"prompts": [...], "responses": [...], "columns": {"answer": [...], ...}}
+         ->   {"rewards": [number | null, ...]}      one per response, null where it cannot score
+
+A request that fails for good (engine/remote.py: timeouts, 5xx after the retries) or answers wrongly
+(not JSON, no "rewards" list, the wrong length) leaves every completion of its batch without a reward
+(None); so does a null or a non-finite number. With on_failure: error the first such failure stops the run.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ppo_cli.engine.remote import (Policy, RemoteFailure, Secrets, check_credentials_transport, gather_bounded, new_client,
+                                   quote, request_json)
+from ppo_cli.errors import RewardServerError
+from ppo_cli.recipe import SECRET_HEADER, HttpReward
+
+
+class HttpScorer:
+    def __init__(self, component: HttpReward, device=None, system_prompt: str | None = None):
+        self.component = component
+        self.policy = Policy.of(component)
+        self.secrets = Secrets()
+        self.failure: str | None = None  # the latest failure, for the line that stops a run
+        self.reads_columns = True
+
+    @property
+    def where(self) -> str:
+        return self.component.url
+
+    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float | None]:
+        c = self.component
+        headers = {name: self.secrets.resolve(value, f"reward server {c.url} header '{name}'")
+                   for name, value in c.headers.items()}
+        if any(SECRET_HEADER.search(name) for name in headers):
+            check_credentials_transport(c.url, c)
+        starts = range(0, len(responses), c.batch_size)
+
+        def job(start: int):
+            end = start + c.batch_size
+            body = {"prompts": prompts[start:end], "responses": responses[start:end],
+                    "columns": {name: values[start:end] for name, values in columns.items()}}
+            return lambda: self._post(client, headers, body, len(body["responses"]))
+
+        async with new_client() as client:
+            results = await gather_bounded([job(s) for s in starts], self.policy.max_concurrency)
+        values: list[float | None] = []
+        for start, result in zip(starts, results):
+            if isinstance(result, RemoteFailure):
+                self._failed(str(result))
+                result = [None] * len(responses[start:start + c.batch_size])
+            elif isinstance(result, BaseException):
+                raise result
+            values += result
+        return values
+
+    async def _post(self, client, headers: dict, body: dict, size: int) -> list[float | None]:
+        answer = await request_json(client, "POST", self.component.url, self.policy, self.secrets,
+                                    headers=headers, body=body)
+        rewards = answer.get("rewards") if isinstance(answer, dict) else None
+        if not isinstance(rewards, list):
+            raise RemoteFailure(f"{self.component.url} answered without a \"rewards\" list: {quote(str(answer), self.secrets)}")
+        if len(rewards) != size:
+            raise RemoteFailure(f"{self.component.url} answered {len(rewards)} rewards for {size} responses")
+        values = [_number(r) for r in rewards]
+        if any(v is None for v in values):
+            bad = next(r for r, v in zip(rewards, values) if v is None)
+            self._failed(f"{self.component.url} answered {quote(json_text(bad), self.secrets)} for a response")
+        return values
+
+    def _failed(self, message: str) -> None:
+        self.failure = self.secrets.redact(message)
+        if self.component.on_failure == "error":
+            raise RewardServerError(f"reward server failed: {self.failure}",
+                                    hint="with on_failure: skip such completions leave the update instead")
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def json_text(value) -> str:
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)

@@ -1,0 +1,94 @@
+"""reward type judge: an LLM behind an OpenAI-compatible chat-completions endpoint scores each completion.
+
+The template file's {prompt} and {response} are filled in (other braces are left alone) and sent as
+the user message, at temperature 0; the first number in the answer must lie in ``scale`` [low, high]
+and is mapped to (x - low) / (high - low) in [0, 1]. An answer with no such number, or a request that
+fails for good (engine/remote.py), leaves the completion without a reward (None).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ppo_cli.engine.remote import (Policy, RemoteFailure, Secrets, check_credentials_transport, gather_bounded, new_client,
+                                   quote, request_json)
+from ppo_cli.errors import RewardServerError
+from ppo_cli.recipe import JudgeReward
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def prompt_text(prompt) -> str:
+    """A conversation as 'role: content' lines; a plain prompt as is."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def fill_template(template: str, prompt, response: str) -> str:
+    return template.replace("{prompt}", prompt_text(prompt)).replace("{response}", response)
+
+
+def parse_score(answer: str, low: float, high: float) -> float | None:
+    """The first number of ``answer`` mapped from [low, high] to [0, 1]; None when there is none or it is out of range."""
+    match = _NUMBER.search(answer)
+    if match is None:
+        return None
+    value = float(match.group())
+    return (value - low) / (high - low) if low <= value <= high else None
+
+
+class JudgeScorer:
+    def __init__(self, component: JudgeReward, device=None, system_prompt: str | None = None):
+        self.component = component
+        self.policy = Policy.of(component)
+        self.template = Path(component.prompt).read_text(encoding="utf-8")
+        self.secrets = Secrets()
+        self.failure: str | None = None
+        self.reads_columns = False
+        self.url = component.base_url.rstrip("/") + "/chat/completions"
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float | None]:
+        c = self.component
+        headers = {}
+        if c.api_key_env:
+            check_credentials_transport(self.url, c)
+            headers["Authorization"] = "Bearer " + self.secrets.key(c.api_key_env, f"judge {c.base_url} (api_key_env)")
+        async with new_client() as client:
+            jobs = [(lambda p=p, r=r: self._judge(client, headers, p, r)) for p, r in zip(prompts, responses)]
+            results = await gather_bounded(jobs, self.policy.max_concurrency)
+        values = []
+        for result in results:
+            if isinstance(result, RemoteFailure):
+                self._failed(str(result))
+                result = None
+            elif isinstance(result, BaseException):
+                raise result
+            values.append(result)
+        return values
+
+    async def _judge(self, client, headers: dict, prompt, response: str) -> float:
+        c = self.component
+        body = {"model": c.model, "messages": [{"role": "user", "content": fill_template(self.template, prompt, response)}],
+                "temperature": 0, "max_tokens": c.max_tokens}
+        answer = await request_json(client, "POST", self.url, self.policy, self.secrets, headers=headers, body=body)
+        try:
+            text = answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise RemoteFailure(f"{self.url} answered without choices[0].message.content: {quote(str(answer), self.secrets)}") from None
+        score = parse_score(str(text), *c.scale)
+        if score is None:
+            raise RemoteFailure(f"judge {self.url} answered {quote(str(text), self.secrets)}, which has no number in "
+                                f"[{c.scale[0]:g}, {c.scale[1]:g}]")
+        return score
+
+    def _failed(self, message: str) -> None:
+        self.failure = self.secrets.redact(message)
+        if self.component.on_failure == "error":
+            raise RewardServerError(f"judge failed: {self.failure}",
+                                    hint="with on_failure: skip such completions leave the update instead")

@@ -1,0 +1,151 @@
+"""Requests to reward servers and judges: bounded in time, retried with backoff, secrets kept out of text.
+
+Every request has a hard deadline (``timeout_s`` per attempt, enforced around the whole exchange, not
+only between bytes), and at most ``retries`` more attempts, so a reward never blocks a run forever.
+Retried: timeouts, connection errors, HTTP 429 and 5xx. Not retried: other 4xx and answers that are
+not what was asked for (the same request would get the same answer). ``${VAR}`` in a header is read
+from the environment when the request is built, and every resolved value is replaced by ``***`` in
+any text that leaves this module.
+
+Imports httpx and the standard library only (no torch): `ppo validate` uses it to check servers answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from ppo_cli.errors import RewardServerUnreachable
+
+if TYPE_CHECKING:
+    from ppo_cli.recipe import HttpReward, JudgeReward
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+MAX_BACKOFF_S = 30.0
+QUOTED_ANSWER = 120  # characters of a server's answer quoted in a failure message
+
+
+class RemoteFailure(Exception):
+    """One request (or its answer) failed for good; the message names the URL and what it answered."""
+
+
+@dataclass
+class Secrets:
+    """The resolved values of ${VAR}s and API keys, to be blanked out of every message."""
+
+    values: set[str] = field(default_factory=set)
+
+    def resolve(self, text: str, where: str) -> str:
+        """``text`` with each ${VAR} replaced by its environment value (remembered as a secret)."""
+
+        def value(match: re.Match) -> str:
+            name = match.group(1)
+            found = os.environ.get(name)
+            if not found:
+                raise RewardServerUnreachable(f"{where} needs the environment variable {name}, which is not set",
+                                              hint=f"export {name}=... before running")
+            self.values.add(found)
+            return found
+
+        return _VAR.sub(value, text)
+
+    def key(self, name: str, where: str) -> str:
+        return self.resolve("${" + name + "}", where)
+
+    def redact(self, text: str) -> str:
+        for secret in sorted(self.values, key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one component's requests are sent (its recipe fields)."""
+
+    timeout_s: float
+    retries: int
+    retry_backoff_s: float
+    max_concurrency: int
+
+    @classmethod
+    def of(cls, component: "HttpReward | JudgeReward") -> "Policy":
+        return cls(component.timeout_s, component.retries, component.retry_backoff_s, component.max_concurrency)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds before retry ``attempt`` (1-based): base * 2^(attempt-1), jittered by +-50%, capped."""
+        return min(MAX_BACKOFF_S, self.retry_backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+
+
+def check_credentials_transport(url: str, component: "HttpReward | JudgeReward") -> None:
+    """Credentials never go over plain http to another machine unless the recipe allows it (the schema
+    refuses such a recipe; checked again here, where the header is sent)."""
+    from urllib.parse import urlsplit
+
+    from ppo_cli.recipe import is_loopback_host
+
+    parts = urlsplit(url)
+    if parts.scheme == "http" and not is_loopback_host(parts.hostname) and not component.allow_insecure_http:
+        raise RewardServerUnreachable(f"would send credentials over plain http to {parts.hostname}",
+                                      hint="use https, or set allow_insecure_http: true if the network is trusted")
+
+
+def quote(text: str, secrets: Secrets) -> str:
+    text = secrets.redact(" ".join(text.split()))
+    return repr(text if len(text) <= QUOTED_ANSWER else text[:QUOTED_ANSWER] + "...")
+
+
+async def request_json(client, method: str, url: str, policy: Policy, secrets: Secrets, *,
+                       headers: dict[str, str] | None = None, body: Any = None) -> Any:
+    """The JSON answer to one request, retried per ``policy``; RemoteFailure when it fails for good."""
+    import httpx
+
+    attempts = policy.retries + 1
+    last = ""
+    for attempt in range(1, attempts + 1):
+        if attempt > 1:
+            await asyncio.sleep(policy.backoff(attempt - 1))
+        try:
+            response = await asyncio.wait_for(client.request(method, url, headers=headers, json=body),
+                                              timeout=policy.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            last = f"no answer within {policy.timeout_s:g} s"
+            continue
+        except httpx.HTTPError as err:
+            last = f"cannot connect ({secrets.redact(type(err).__name__ + ': ' + str(err)) or type(err).__name__})"
+            continue
+        if response.status_code == 429 or response.status_code >= 500:
+            last = f"HTTP {response.status_code} {quote(response.text, secrets)}"
+            continue
+        if response.status_code >= 400:
+            raise RemoteFailure(f"{url} answered HTTP {response.status_code} {quote(response.text, secrets)}")
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RemoteFailure(f"{url} answered with something that is not JSON: {quote(response.text, secrets)}") from None
+    tries = f" ({attempts} attempts)" if attempts > 1 else ""
+    raise RemoteFailure(f"{url}: {last}{tries}")
+
+
+async def gather_bounded(jobs: list[Callable[[], Awaitable]], limit: int) -> list:
+    """Run the jobs with at most ``limit`` at once; results (or the exceptions they raised) in order."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def one(job):
+        async with semaphore:
+            return await job()
+
+    return await asyncio.gather(*(one(job) for job in jobs), return_exceptions=True)
+
+
+def new_client():
+    """An async client with no timeout of its own (request_json bounds every attempt) and no proxies
+    from the environment for loopback addresses (httpx honours NO_PROXY)."""
+    import httpx
+
+    return httpx.AsyncClient(timeout=None, follow_redirects=False)
+
