@@ -133,8 +133,34 @@ def _sample_inner_phases() -> None:
     forward = actor_critic.PolicyAndValue.forward
 
     def counted_forward(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        print(f"[rank {os.environ.get('RANK', '0')}] after the update's forward: {_unsharded(self)}",
+        import gc
+
+        import torch
+
+        saved = {}
+
+        def pack(tensor):
+            try:
+                storage = tensor.untyped_storage()
+                saved[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape), str(tensor.dtype))
+            except RuntimeError:  # a DTensor or a freed storage: nothing of its own held here
+                pass
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = forward(self, *args, **kwargs)
+        live = {}
+        for obj in gc.get_objects():
+            try:
+                if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+                    storage = obj.untyped_storage()
+                    live[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a freed storage (an FSDP unit's resharded parameter)
+                pass
+        biggest = sorted(saved.values(), reverse=True)[:3]
+        print(f"[rank {os.environ.get('RANK', '0')}] after the update's forward: {_unsharded(self)}; "
+              f"saved for backward {sum(v[0] for v in saved.values()) / 1e9:.2f} GB ({len(saved)} storages, "
+              f"biggest {biggest}); Python-visible tensors {sum(live.values()) / 1e9:.2f} GB",
               file=sys.stderr, flush=True)
         return out
 
