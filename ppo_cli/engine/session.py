@@ -296,8 +296,10 @@ def return_freed_memory() -> None:
     FSDP gathers a block's whole weights before its forward (and again in the backward) and frees them
     after, for every block, in the rollout's every decoding step and in the update. With the heap
     tuned by keep_freed_memory those frees stay resident and the heap grows past them instead of
-    reusing them: measured at the 0.5B shape, the update's forward held 1.9 GB above the live tensors
-    (more than the whole policy) and the rollout 1.7 GB; malloc_trim gave them back. Mapping each
+    reusing them: measured at the 0.5B shape with LoRA, 2 processes, each peaked at 6.4 GB (1.9 GB
+    above the live tensors in the update's forward, 1.7 GB in the rollout), 3.95 GB with this on
+    (docs/benchmarks.md); glibc's own thresholds are not enough (it raises its mmap threshold to the
+    largest block freed, so the 17 MB weights come from the heap again). Mapping each
     block of FSDP_MMAP_THRESHOLD or more on its own (a fixed threshold, with glibc's own top pad and
     trimming) unmaps it on free; the cost is the kernel faulting the pages in again at each gather.
     A no-op off glibc or with CPU_MALLOC_TUNING off.
