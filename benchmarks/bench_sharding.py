@@ -12,7 +12,10 @@ both updates, of rank 0; wall-clock, so only comparable within one quiet run). M
 (PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python benchmarks/bench_vs_trl.py models`
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
 LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
-each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
+each phase (loading, prepare, evaluation, every update, final/), the highest resident set (anonymous
+and file-backed) within each update's rollout, forwards, backwards and optimizer steps (sampled every
+10 ms), and after each update forward the FSDP units left whole, what autograd saved and the tensors
+Python sees; BENCH_MALLOC_TUNING=off leaves glibc's
 own trimming on (engine/session.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
 """
 
