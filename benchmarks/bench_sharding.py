@@ -12,7 +12,10 @@ both updates, of rank 0; wall-clock, so only comparable within one quiet run). M
 (PPO_TINY_MODELS or models/tiny) or the 0.5B shape built by `python benchmarks/bench_vs_trl.py models`
 (.cache/bench/0.5b, or PPO_BENCH_CACHE/0.5b; reward model of the same shape). Run on a quiet machine: the 0.5B shape with
 LoRA needs about 2 x 6 GB. BENCH_PHASES=1 also prints each process's resident and peak memory after
-each phase (loading, prepare, evaluation, every update, final/); BENCH_MALLOC_TUNING=off leaves glibc's
+each phase (loading, prepare, evaluation, every update, final/), the highest resident set (anonymous
+and file-backed) within each update's rollout, forwards, backwards and optimizer steps (sampled every
+10 ms), and after each update forward the FSDP units left whole, what autograd saved and the tensors
+Python sees; BENCH_MALLOC_TUNING=off leaves glibc's
 own trimming on (engine/engine.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
 """
 
@@ -83,6 +86,114 @@ def _trace_phases() -> None:
                          (train_cmd, "_evaluate_before"), (train_cmd, "evaluate"), (train_cmd, "_finish"),
                          (checkpoint, "gathered_model_state")):
         traced(module, name)
+    _sample_inner_phases()
+
+
+def _sample_inner_phases() -> None:
+    """Sample the resident set (anonymous and file-backed apart) every 10 ms and keep each inner
+    phase's highest: the rollout, the update's forwards, backwards and optimizer steps. Printed after
+    each update (BENCH_PHASES=1); the peak of a phase is what it held at most, whatever came before."""
+    import functools
+    import threading
+    import time
+
+    import ppo_cli.engine.actor_critic as actor_critic
+    import ppo_cli.engine.engine as engine_module
+    import ppo_cli.trainer as trainer
+    from accelerate import Accelerator
+
+    current = ["start"]
+    peaks: dict[str, tuple[float, float]] = {}
+
+    def sample() -> None:
+        while True:
+            fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+            anon, file = (int(fields[key].split()[0]) * 1024 / 1e9 for key in ("RssAnon", "RssFile"))
+            phase = current[0]
+            best = peaks.get(phase, (0.0, 0.0))
+            if anon + file > sum(best):
+                peaks[phase] = (anon, file)
+            time.sleep(0.01)
+
+    threading.Thread(target=sample, daemon=True).start()
+
+    def labelled(owner, name, label):
+        inner = getattr(owner, name)
+
+        @functools.wraps(inner)
+        def wrapper(*args, **kwargs):
+            outer, current[0] = current[0], label
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                current[0] = outer
+
+        setattr(owner, name, wrapper)
+
+    labelled(engine_module.Engine, "collect_rollout", "rollout")
+    labelled(trainer, "optimise", "update (between)")
+    labelled(actor_critic.PolicyAndValue, "forward", "update forward")
+    forward = actor_critic.PolicyAndValue.forward
+
+    def counted_forward(self, *args, **kwargs):
+        import gc
+
+        import torch
+
+        saved = {}
+
+        def pack(tensor):
+            try:
+                storage = tensor.untyped_storage()
+                saved[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape), str(tensor.dtype))
+            except RuntimeError:  # a DTensor or a freed storage: nothing of its own held here
+                pass
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = forward(self, *args, **kwargs)
+        live = {}
+        for obj in gc.get_objects():
+            try:
+                if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+                    storage = obj.untyped_storage()
+                    live[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a freed storage (an FSDP unit's resharded parameter)
+                pass
+        biggest = sorted(saved.values(), reverse=True)[:3]
+        print(f"[rank {os.environ.get('RANK', '0')}] after the update's forward: {_unsharded(self)}; "
+              f"saved for backward {sum(v[0] for v in saved.values()) / 1e9:.2f} GB ({len(saved)} storages, "
+              f"biggest {biggest}); Python-visible tensors {sum(live.values()) / 1e9:.2f} GB",
+              file=sys.stderr, flush=True)
+        return out
+
+    actor_critic.PolicyAndValue.forward = counted_forward
+    labelled(Accelerator, "backward", "update backward")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    labelled(AcceleratedOptimizer, "step", "optimizer step")
+    step = trainer.train_step
+
+    def train_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        rank = os.environ.get("RANK", "0")
+        for phase, (anon, file) in peaks.items():
+            print(f"[rank {rank}] peak in {phase}: {anon + file:.2f} GB (anon {anon:.2f}, file {file:.2f})",
+                  file=sys.stderr, flush=True)
+        peaks.clear()
+        return out
+
+    trainer.train_step = train_step
+
+
+def _unsharded(model) -> str:
+    """How many FSDP units of ``model`` hold their parameters whole, and their bytes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    whole = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups if group.is_unsharded]
+    size = sum(p.unsharded_param.numel() * p.unsharded_param.element_size() for g in whole for p in g.fsdp_params)
+    return f"{len(whole)} of {len(units)} FSDP units whole ({size / 1e9:.2f} GB)"
 
 
 def _free_port() -> int:
@@ -132,7 +243,7 @@ def measure(shape: str, strategy: str, mode: str) -> tuple[list[float], float]:
                 *rollout]
         result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
         if os.environ.get("BENCH_PHASES"):
-            print("\n".join(line for line in result.stderr.splitlines() if "] after " in line), flush=True)
+            print("\n".join(line for line in result.stderr.splitlines() if "] after " in line or "] peak in " in line), flush=True)
         if result.returncode != 0:
             sys.exit(f"{shape} {strategy} {mode} failed:\n{result.stderr[-3000:]}")
         metrics = [json.loads(line) for line in next(Path(tmp, "runs").glob("*/metrics.jsonl")).read_text().splitlines()]

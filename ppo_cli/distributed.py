@@ -175,8 +175,9 @@ class ShardingMixin:
         with without_frozen_models(model):
             prepared = self.accelerator.prepare(model, optimizer)
         if self.device.type == "cpu":
-            from ppo_cli.engine.engine import release_freed_memory
+            from ppo_cli.engine.engine import release_freed_memory, return_freed_memory
 
+            return_freed_memory()  # each block's gathered weights, freed after its forward and backward
             release_freed_memory()  # the whole weights each process loaded, now sharded
         return prepared
 

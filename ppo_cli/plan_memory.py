@@ -297,8 +297,10 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     states of what trains; ZeRO-3 and FSDP (full shard) also split the weights of the model handed to
     prepare() (the policy, its frozen LoRA base included unless quantized, and the critic). The frozen
     reference copy and reward models stay whole. Generation needs the whole policy: ppo_cli gathers it
-    for the rollout (counted: the full weights less the process's own shard), and the update gathers
-    one decoder layer at a time (counted: the weights / layers)."""
+    for the rollout (counted: the full weights less the process's own shard under ZeRO-3, the full
+    weights under FSDP2, whose gathered buffers are separate from the shard; per block under FSDP
+    with train.fsdp_rollout per_block), and the update gathers one decoder layer at a time (counted:
+    the weights / layers)."""
     n = s.processes
     if s.sharding == "none" or n == 1:
         return lines, update, rollout
@@ -326,6 +328,11 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             line = Line("rollout", "policy gathered for generation", outside + block,
                         f"the other {n - 1} processes' shards of the weights outside the blocks, and one "
                         "block whole at a time (train.fsdp_rollout: per_block)", "rollout")
+        elif s.sharding == "fsdp":
+            # FSDP2 gathers into buffers of its own: the process's shard stays beside the whole weights
+            # (measured at the 0.5B shape, 2 processes: 4.76 GB with train.fsdp_rollout gathered).
+            line = Line("rollout", "policy gathered for generation", weights,
+                        "the whole policy, beside the process's own shard, while sampling", "rollout")
         else:
             line = Line("rollout", "policy gathered for generation", gathered,
                         f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")

@@ -45,7 +45,7 @@ def test_freed_block_stays_resident_only_when_tuned():
     assert _released_mb("on") < 4  # tuned: it went back to the heap, pages kept for the next tensor
 
 
-@pytest.mark.parametrize("tune", ["keep_freed_memory", "release_freed_memory"])
+@pytest.mark.parametrize("tune", ["keep_freed_memory", "return_freed_memory", "release_freed_memory"])
 def test_switch_off_leaves_malloc_alone(monkeypatch, tune):
     calls = []
     monkeypatch.setattr(engine_module, "CPU_MALLOC_TUNING", False)
@@ -77,3 +77,28 @@ def test_release_hands_a_large_free_back_to_the_kernel():
     kept_on_free, released = (int(n) / 2**20 for n in out.stdout.split()[-2:])
     assert kept_on_free < 16  # tuned: freeing 256 MB leaves the pages resident
     assert released > 200  # release_freed_memory (after FSDP shards the loaded policy) returns them
+
+
+RETURN_PROBE = """
+import os, sys, torch
+from ppo_cli.engine import session
+session.keep_freed_memory()
+session.return_freed_memory()
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+blocks = [torch.ones(2 * 2**20 // 4) for _ in range(64)]  # 128 MB of one FSDP block's weight-sized tensors
+held = resident() - before
+del blocks
+print(held, resident() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
+def test_return_freed_memory_unmaps_each_freed_block_at_once():
+    out = subprocess.run([sys.executable, "-c", RETURN_PROBE], capture_output=True, text=True, check=True)
+    held, left = (int(n) / 2**20 for n in out.stdout.split()[-2:])
+    assert held > 120  # the 2 MB blocks were resident while alive
+    assert left < 8  # under FSDP each freed block goes back to the kernel, even after keep_freed_memory
