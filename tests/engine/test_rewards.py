@@ -189,3 +189,14 @@ def test_a_sequence_classifier_passes_the_score_head_check():
 
     check_has_trained_score_head(LlamaConfig(architectures=["LlamaForSequenceClassification"]), "rm")
     check_has_trained_score_head(LlamaConfig(), "rm")  # no architectures saved: nothing to go on
+
+
+def test_the_smollm2_recipes_concise_reward_is_graded_by_length():
+    from ppo_cli.engine.rewards import load_reward_function
+    from tests.conftest import ROOT
+
+    concise = load_reward_function(f"{ROOT}/recipes/rewards/concise.py:concise")
+    words = lambda n: " ".join(["word"] * n)  # noqa: E731
+    responses = ["", "Yes.", words(3), words(25), words(26), words(50), words(75), words(85)]
+    # 3-25 words full marks, then 1/50 less a word: 26 -> 0.98, 50 -> 0.5, 75 -> 0, 85 -> -0.2.
+    assert concise(["Q?"] * len(responses), responses) == pytest.approx([-1.0, -1.0, 1.0, 1.0, 0.98, 0.5, 0.0, -0.2])
