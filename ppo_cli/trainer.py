@@ -170,8 +170,11 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     mask = rollout.train_mask[rows, :T]  # episodes without a reward leave the loss
 
     fixed = rollout.fixed_value_features
-    logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
-                                 None if fixed is None else fixed[rows, :T])
+    # The rollout's autocast, explicitly: accelerate autocasts a prepared model's forward under DDP but
+    # not under FSDP2, whose update would then compute in float32 and the first ratio would not be 1.
+    with state.engine.autocast():
+        logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
+                                     None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
     loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
     weights = None

@@ -150,3 +150,12 @@ def test_fsdp_grpo_trains_like_ddp_without_a_critic(tiny_models, tmp_path):
     _assert_same_metrics(metrics, _metrics(ddp), AGREES_WITH_DDP)
     _assert_same_weights(fsdp / "final/adapter_model.safetensors", ddp / "final/adapter_model.safetensors", AGREES_WITH_DDP)
     assert not (fsdp / "final" / "critic").exists()
+
+
+def test_fsdp_update_runs_under_the_rollouts_autocast(tiny_models, tmp_path):
+    """bf16 autocast under FSDP2: the update's forward computes as the rollout's did, so the first
+    mini-batch's ratio is exactly 1 at every update, as under DDP (accelerate autocasts a DDP model's
+    forward itself, not an FSDP2 one's: without the trainer's own autocast it was 0.99976)."""
+    _run(_cmd(tiny_models, tmp_path, **{"train.mixed_precision": "bf16", "train.total_updates": 2, "train.save_every": 0}))
+    metrics = _metrics(tmp_path / "tiny-sentiment")
+    assert [m["val/ratio_first_minibatch"] for m in metrics] == [1.0, 1.0]
