@@ -65,25 +65,14 @@ def peak_memory_gb() -> float:
 
 
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """Everything that can fail before a model is loaded: prompts, reward functions and servers, model paths."""
-    from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.model_refs import check_adapter_reference, check_model_reference
-    from ppo_cli.reward_checks import check_reward_components
-
+    """Everything that can fail before a model is loaded: `ppo validate`'s file and server checks (with
+    the reward functions imported), the vLLM backend for this many processes, the trackers."""
     from ppo_cli.commands.inputs import check_vllm_backend
-
-    check_vllm_backend(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
-    prompts = read_recipe_prompts(recipe.data).prompts
-    eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
-    check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
-    for path in [recipe.policy.path, recipe.reference.path, recipe.value.path]:
-        if path:
-            check_model_reference(path)
-    if recipe.policy.adapter:
-        check_adapter_reference(recipe.policy.adapter)
-    check_reward_components(recipe.reward, import_functions=True)  # files, credentials, and that each server answers
+    from ppo_cli.commands.validate import check_recipe_files
     from ppo_cli.tracking import check_trackers
 
+    check_vllm_backend(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
+    prompts, eval_prompts = check_recipe_files(recipe, import_functions=True)
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
     return prompts, eval_prompts
 

@@ -26,24 +26,26 @@ class ValidateResult:
         )
 
 
-def check_recipe_files(recipe: Recipe) -> None:
-    """The files the recipe names, as `ppo train` checks them before loading anything: prompts files
+def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[list[str], list[str]]:
+    """The one check before any model loads, for `ppo validate` and `ppo train` alike: prompts files
     (readable, not empty), model paths (a saved model, or a hub id), each reward component's files,
-    and that each reward server and judge answers (reward_checks.py). A reward function is not
-    imported here: its module's code runs only when training asks for it."""
+    and that each reward server and judge answers (reward_checks.py). Returns the prompts and the
+    held-out prompts. A reward function's module is imported (its code runs) only with
+    ``import_functions``: when training asks for it, not when a recipe is validated."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
     from ppo_cli.reward_checks import check_reward_components
 
-    for which in ("prompts", "eval_prompts"):
-        if getattr(recipe.data, which):
-            check_reward_reads_conversations(recipe.reward, read_recipe_prompts(recipe.data, which).prompts)
+    prompts = read_recipe_prompts(recipe.data).prompts
+    eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
+    check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
     for path in (recipe.policy.path, recipe.reference.path, recipe.value.path):
         if path:
             check_model_reference(path)
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
-    check_reward_components(recipe.reward)
+    check_reward_components(recipe.reward, import_functions=import_functions)  # files, credentials, servers
+    return prompts, eval_prompts
 
 
 def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:
