@@ -81,9 +81,9 @@ def test_release_hands_a_large_free_back_to_the_kernel():
 
 RETURN_PROBE = """
 import os, sys, torch
-from ppo_cli.engine import session
-session.keep_freed_memory()
-session.return_freed_memory()
+from ppo_cli.engine import engine
+engine.keep_freed_memory()
+engine.return_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -152,9 +152,9 @@ def test_final_loads_with_peft_on_the_gguf_base_and_generates(smollm2, short_run
     assert len(new) > 0 and tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
-@pytest.mark.xfail(strict=True, reason="ppo plan's update term over-counts at 96 new tokens with bf16 autocast: "
-                   "plan 4.85 GB against 3.81 GB measured here (4.11 GB in the 8-update run)")
 def test_plan_is_within_a_quarter_of_the_measured_peak(short_run):
+    """With torch's default threads (as CI runs it). With train.num_threads=1 on a busy machine the
+    5-update run peaked lower, at 3.81 GB, 27% under the plan's 4.85."""
     run, plan_output = short_run
     planned = float(re.search(r"peak = .* = ([\d.]+) GB", plan_output).group(1))
     measured = json.loads((run / "summary.json").read_text())["peak_memory_gb"]
