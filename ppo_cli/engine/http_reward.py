@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import math
 
-from ppo_cli.engine.remote import (Policy, RemoteFailure, Secrets, check_credentials_transport, gather_bounded, new_client,
+from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, check_credentials_transport, gather_bounded, new_client,
                                    quote, request_json)
-from ppo_cli.errors import RewardServerError
 from ppo_cli.recipe import SECRET_HEADER, HttpReward
 
 
-class HttpScorer:
+class HttpScorer(RemoteScorer):
+    reads_columns = True
+
     def __init__(self, component: HttpReward, device=None, system_prompt: str | None = None):
-        self.component = component
-        self.policy = Policy.of(component)
-        self.secrets = Secrets()
-        self.failure: str | None = None  # the latest failure, for the line that stops a run
-        self.reads_columns = True
+        super().__init__(component)
 
     @property
     def where(self) -> str:
@@ -46,15 +43,7 @@ class HttpScorer:
 
         async with new_client() as client:
             results = await gather_bounded([job(s) for s in starts], self.policy.max_concurrency)
-        values: list[float | None] = []
-        for start, result in zip(starts, results):
-            if isinstance(result, RemoteFailure):
-                self._failed(str(result))
-                result = [None] * len(responses[start:start + c.batch_size])
-            elif isinstance(result, BaseException):
-                raise result
-            values += result
-        return values
+        return self._values(results, [len(responses[start:start + c.batch_size]) for start in starts])
 
     async def _post(self, client, headers: dict, body: dict, size: int) -> list[float | None]:
         answer = await request_json(client, "POST", self.component.url, self.policy, self.secrets,
@@ -69,12 +58,6 @@ class HttpScorer:
             bad = next(r for r, v in zip(rewards, values) if v is None)
             self._failed(f"{self.component.url} answered {quote(json_text(bad), self.secrets)} for a response")
         return values
-
-    def _failed(self, message: str) -> None:
-        self.failure = self.secrets.redact(message)
-        if self.component.on_failure == "error":
-            raise RewardServerError(f"reward server failed: {self.failure}",
-                                    hint="with on_failure: skip such completions leave the update instead")
 
 
 def _number(value) -> float | None:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ppo_cli.engine.remote import (Policy, RemoteFailure, Secrets, check_credentials_transport, gather_bounded, new_client,
+from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, check_credentials_transport, gather_bounded, new_client,
                                    quote, request_json)
-from ppo_cli.errors import RewardServerError
 from ppo_cli.recipe import JudgeReward
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -39,14 +38,15 @@ def parse_score(answer: str, low: float, high: float) -> float | None:
     return (value - low) / (high - low) if low <= value <= high else None
 
 
-class JudgeScorer:
+class JudgeScorer(RemoteScorer):
+    said_as = "judge"
+    reads_columns = False
+
     def __init__(self, component: JudgeReward, device=None, system_prompt: str | None = None):
-        self.component = component
-        self.policy = Policy.of(component)
+        super().__init__(component)
         self.template = Path(component.prompt).read_text(encoding="utf-8")
-        self.secrets = Secrets()
-        self.failure: str | None = None
-        self.reads_columns = False
+        self.scale = component.scale
+        self.request = {"model": component.model, "temperature": 0, "max_tokens": component.max_tokens}  # each body's fixed part
         self.url = component.base_url.rstrip("/") + "/chat/completions"
 
     @property
@@ -62,33 +62,18 @@ class JudgeScorer:
         async with new_client() as client:
             jobs = [(lambda p=p, r=r: self._judge(client, headers, p, r)) for p, r in zip(prompts, responses)]
             results = await gather_bounded(jobs, self.policy.max_concurrency)
-        values = []
-        for result in results:
-            if isinstance(result, RemoteFailure):
-                self._failed(str(result))
-                result = None
-            elif isinstance(result, BaseException):
-                raise result
-            values.append(result)
-        return values
+        return self._values(results, [1] * len(results))
 
-    async def _judge(self, client, headers: dict, prompt, response: str) -> float:
-        c = self.component
-        body = {"model": c.model, "messages": [{"role": "user", "content": fill_template(self.template, prompt, response)}],
-                "temperature": 0, "max_tokens": c.max_tokens}
+    async def _judge(self, client, headers: dict, prompt, response: str) -> list[float]:
+        body = {**self.request, "messages": [{"role": "user", "content": fill_template(self.template, prompt, response)}]}
         answer = await request_json(client, "POST", self.url, self.policy, self.secrets, headers=headers, body=body)
         try:
             text = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise RemoteFailure(f"{self.url} answered without choices[0].message.content: {quote(str(answer), self.secrets)}") from None
-        score = parse_score(str(text), *c.scale)
+        low, high = self.scale
+        score = parse_score(str(text), low, high)
         if score is None:
             raise RemoteFailure(f"judge {self.url} answered {quote(str(text), self.secrets)}, which has no number in "
-                                f"[{c.scale[0]:g}, {c.scale[1]:g}]")
-        return score
-
-    def _failed(self, message: str) -> None:
-        self.failure = self.secrets.redact(message)
-        if self.component.on_failure == "error":
-            raise RewardServerError(f"judge failed: {self.failure}",
-                                    hint="with on_failure: skip such completions leave the update instead")
+                                f"[{low:g}, {high:g}]")
+        return [score]

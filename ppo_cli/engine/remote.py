@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from ppo_cli.errors import RewardServerUnreachable
+from ppo_cli.errors import RewardServerError, RewardServerUnreachable
 
 if TYPE_CHECKING:
     from ppo_cli.recipe import HttpReward, JudgeReward
@@ -149,3 +149,34 @@ def new_client():
 
     return httpx.AsyncClient(timeout=None, follow_redirects=False)
 
+
+class RemoteScorer:
+    """What the http and judge scorers share: the component's request policy, the secrets resolved for
+    it, the latest failure (for the line that stops a run) and on_failure."""
+
+    said_as = "reward server"  # how a failure that stops the run names the component
+
+    def __init__(self, component: "HttpReward | JudgeReward"):
+        self.component = component
+        self.policy = Policy.of(component)
+        self.secrets = Secrets()
+        self.failure: str | None = None
+
+    def _failed(self, message: str) -> None:
+        self.failure = self.secrets.redact(message)
+        if self.component.on_failure == "error":
+            raise RewardServerError(f"{self.said_as} failed: {self.failure}",
+                                    hint="with on_failure: skip such completions leave the update instead")
+
+    def _values(self, results: list, sizes: list[int]) -> list[float | None]:
+        """gather_bounded's results, one list of values per request, flattened: a failed request's
+        completions get None (and the failure is kept); any other exception is raised."""
+        values: list[float | None] = []
+        for result, size in zip(results, sizes):
+            if isinstance(result, RemoteFailure):
+                self._failed(str(result))
+                result = [None] * size
+            elif isinstance(result, BaseException):
+                raise result
+            values += result
+        return values
