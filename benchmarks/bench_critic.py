@@ -84,8 +84,6 @@ def _seeds(text: str) -> list[int]:
 def cmd_curves(args) -> None:
     """Split the runs over ``--jobs`` worker processes, each importing ppo_cli once and running its share
     one after another (a fresh process per tiny run spends most of its time importing and loading)."""
-    import subprocess
-
     updates = dict(zip(("lora", "full"), (int(n) for n in args.updates.split(","))))
     done = {("lora" if r["cfg"]["lora"] else "full", r["cfg"]["value_kind"], r["cfg"]["seed"])
             for r in bench._load(CURVES)
@@ -99,13 +97,20 @@ def cmd_curves(args) -> None:
                 ns = argparse.Namespace(shape="tiny", updates=updates[mode])
                 cfg = bench.bench_config(ns, lora=(mode == "lora"), value_kind=kind, seed=seed, lr=LR[mode], threads=1)
                 jobs.append((cfg, f"critic-{mode}-{kind}-s{seed}"))
-    print(f"{len(jobs)} runs in {args.jobs} worker processes", flush=True)
+    run_in_workers(jobs, args.jobs, __file__, "critic")
+
+
+def run_in_workers(jobs: list, count: int, script: str, prefix: str) -> None:
+    """Deal ``jobs`` round-robin to ``count`` processes of ``script worker SHARE``; wait for all of them."""
+    import subprocess
+
+    print(f"{len(jobs)} runs in {count} worker processes", flush=True)
     workers = []
-    for i in range(args.jobs):
-        share = bench.CACHE / "recipes" / f"critic-worker-{i}.json"
+    for i in range(count):
+        share = bench.CACHE / "recipes" / f"{prefix}-worker-{i}.json"
         share.parent.mkdir(parents=True, exist_ok=True)
-        share.write_text(json.dumps(jobs[i::args.jobs]))
-        workers.append(subprocess.Popen([sys.executable, __file__, "worker", str(share)], env=bench.env(), cwd=ROOT))
+        share.write_text(json.dumps(jobs[i::count]))
+        workers.append(subprocess.Popen([sys.executable, script, "worker", str(share)], env=bench.env(), cwd=ROOT))
     failed = [w.args for w in workers if w.wait() != 0]
     if failed:
         raise SystemExit(f"worker(s) failed: {failed}")

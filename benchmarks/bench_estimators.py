@@ -133,23 +133,12 @@ def _timed_train(path: Path) -> dict:
 def cmd_curves(args) -> None:
     """Split the runs over ``--jobs`` worker processes, seed-major and arm-interleaved, so that every arm
     runs under about the same machine load and a sweep stopped early has about as many seeds per arm."""
-    import subprocess
-
     arms = args.arms.split(",") if args.arms else list(ARMS)
     done = {(r["cfg"]["arm"], r["cfg"]["seed"]) for r in bench._load(CURVES)
             if len(r["scores"]) >= args.updates and r["cfg"]["num_generations"] == group_size(r["cfg"]["arm"], args.group)}
     jobs = [(arm_config(arm, seed, args.updates, args.group), f"est-{arm}-g{group_size(arm, args.group)}-s{seed}")
             for seed in critic._seeds(args.seeds) for arm in arms if (arm, seed) not in done]
-    print(f"{len(jobs)} runs in {args.jobs} worker processes", flush=True)
-    workers = []
-    for i in range(args.jobs):
-        share = bench.CACHE / "recipes" / f"estimator-worker-{i}.json"
-        share.parent.mkdir(parents=True, exist_ok=True)
-        share.write_text(json.dumps(jobs[i::args.jobs]))
-        workers.append(subprocess.Popen([sys.executable, __file__, "worker", str(share)], env=bench.env(), cwd=ROOT))
-    failed = [w.args for w in workers if w.wait() != 0]
-    if failed:
-        raise SystemExit(f"worker(s) failed: {failed}")
+    critic.run_in_workers(jobs, args.jobs, __file__, "estimator")
 
 
 def cmd_worker(args) -> None:
