@@ -183,9 +183,6 @@ def cmd_single(args) -> None:
 
 def run_trl_grpo(cfg: dict, tag: str) -> dict:
     """One TRL GRPOTrainer run (benchmarks/bench_trl_grpo_driver.py in TRL's venv) at the arm's settings."""
-    import subprocess
-    import time
-
     paths = bench.shape_paths(cfg["shape"])
     out = bench.CACHE / "trl-out" / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,14 +197,7 @@ def run_trl_grpo(cfg: dict, tag: str) -> dict:
         command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
     if cfg["precision"] == "native":
         command.append("--defaults")
-    started = time.perf_counter()
-    proc = subprocess.run(command, env=bench.env(), capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    result["command"] = " ".join(Path(c).name if i == 0 else c for i, c in enumerate(command))
-    result["wall_s"] = time.perf_counter() - started
-    return result
+    return bench.run_trl_driver(command, out)
 
 
 def cmd_trl(args) -> None:

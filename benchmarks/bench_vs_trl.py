@@ -326,6 +326,12 @@ def run_trl(cfg: dict, tag: str) -> dict:
         command.append("--bf16")  # TRL's PPOConfig default
     if cfg["missing_eos_penalty"] is not None:
         command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
+    return run_trl_driver(command, out)
+
+
+def run_trl_driver(command: list[str], out: Path) -> dict:
+    """Run a TRL driver (its venv's python first in ``command``) and read the JSON it wrote to ``out``,
+    with the command and the wall time added."""
     started = time.perf_counter()
     proc = subprocess.run(command, env=env(), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
