@@ -54,6 +54,13 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def lora_config():
+    """ppo_cli's LoRA settings for the benchmark recipes: r 16, alpha 32, every linear layer, no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -103,12 +110,7 @@ def main(argv=None) -> int:
 
     trl_ppo.get_reward = get_reward
 
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                 bias="none", task_type="CAUSAL_LM")
+    peft_config = lora_config() if args.lora else None
 
     out_dir = tempfile.mkdtemp(prefix="trl-bench-")
     config = PPOConfig(

@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
+
+from bench_trl_driver import lora_config, peak_rss_gb  # the PPO driver beside this file: same LoRA, same memory figure
 
 
 def parse_args(argv=None):
@@ -100,12 +101,7 @@ def main(argv=None) -> int:
         penalty = args.missing_eos_penalty or 0.0
         return [s - (penalty if eos not in ids else 0.0) for s, ids in zip(scores, completion_ids)]
 
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                 bias="none", task_type="CAUSAL_LM")
+    peft_config = lora_config() if args.lora else None
 
     episodes = args.prompts_per_update * args.num_generations
     config = GRPOConfig(
@@ -169,7 +165,7 @@ def main(argv=None) -> int:
         "seconds_per_update": per_update,
         "cpu_seconds_per_update": cpu_per_update,
         "scores": record["rewards"],  # the mean reward of each generation
-        "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_memory_gb": peak_rss_gb(),
         "total_s": time.perf_counter() - started,
     }
     Path(args.out).write_text(json.dumps(result))
