@@ -211,7 +211,7 @@ class Engine:
         forwards = 0 if self.reuses_generation_forward() else policy  # old log-probs
         if not ac.reference_is_policy:
             forwards += count(ac.ref_model) if ac.ref_model is not None else policy
-        critic = count(ac.value_backbone) or (policy if ac.value_kind == "adapter" else 0)  # the critic's own forward
+        critic = ac.critic.forward_parameters(ac, policy) if ac.critic is not None else 0  # the critic's own forward
         shared = self.shared_reward is not None and SHARED_REWARD_FORWARD  # the reward model's forward serves it
         forwards += (0 if shared else critic) + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
         trained = policy + (0 if ac.value_features_fixed else critic)
