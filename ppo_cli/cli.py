@@ -267,6 +267,13 @@ BatchSizeOpt = Annotated[
 ]
 
 
+def _note(message: str) -> None:
+    """The inference commands' side remarks (which recipe and models, skipped lines), dim on stderr."""
+    from ppo_cli import report
+
+    report.note(message)
+
+
 @app.command()
 def rollout(
     model: ModelArg,
@@ -279,8 +286,8 @@ def rollout(
     from ppo_cli.runs import check_output_path
 
     check_output_path(out)
-    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
+    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.rollout import run as run_rollout
 
@@ -301,8 +308,8 @@ def score(
 
     out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
     if recipe is None and run is None:
-        recipe = inputs.recipe_of_rollouts(rollouts)
-    resolved, _ = inputs.recipe_and_models([], run, recipe, overrides)
+        recipe = inputs.recipe_of_rollouts(rollouts, _note)
+    resolved, _ = inputs.recipe_and_models([], run, recipe, overrides, note=_note)
     from ppo_cli import report
     from ppo_cli.commands.score import run as run_score
 
@@ -323,8 +330,8 @@ def eval_(
 
     out = check_output_path(out or Path(f"eval-{inputs.slug(model)}.json"))
     replaced = out.exists()
-    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
+    resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.eval import run as run_eval
 
@@ -347,8 +354,9 @@ def compare(
     """Both models on the same prompts and seed, side by side, with reward difference and win rate."""
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; compare writes a directory", hint="give a directory name, e.g. --out compare-out")
-    resolved, models = inputs.recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved)
+    resolved, models = inputs.recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed,
+                                               note=_note)
+    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.compare import run as run_compare
 

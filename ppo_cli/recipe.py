@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -250,15 +250,17 @@ class JudgeReward(RemoteReward):
         return self
 
 
-# Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below, its
-# scorer in engine/rewards.py's SCORERS and its file and server checks in reward_checks.py's CHECKS.
+# Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below; its
+# scorer, checks and display name in a module of its own, one line in engine/reward_types.py's REWARD_TYPES.
 RewardComponent = Annotated[Union[ModelReward, ClassifierReward, FunctionReward, HttpReward, JudgeReward],
                             Field(discriminator="type")]
+REWARD_TYPE_NAMES = tuple(get_args(cls.model_fields["type"].annotation)[0] for cls in get_args(get_args(RewardComponent)[0]))
 
 
 class RewardConfig(Section):
     components: list[RewardComponent] = Field(
-        ..., min_length=1, description="Reward components (type: model | classifier | function | http | judge); the score is their weighted sum."
+        ..., min_length=1,
+        description=f"Reward components (type: {' | '.join(REWARD_TYPE_NAMES)}); the score is their weighted sum."
     )
     missing_eos_penalty: float | None = Field(
         None, ge=0.0, description="Subtracted from the score of a response with no stop token (TRL's missing_eos_penalty)."

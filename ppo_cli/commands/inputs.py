@@ -1,17 +1,20 @@
 """What the inference commands (rollout, score, eval, compare) read before they run: the recipe (theirs,
 or the run's of the models they name), the models, the prompts and the sampling settings.
 
-No torch import: the CLI calls these before any model loads, so bad input fails at once.
+No torch import: the CLI calls these before any model loads, so bad input fails at once. Nothing is
+printed here: the side remarks (which recipe, which models, skipped lines) go to the ``note(message)``
+callback the CLI passes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ppo_cli.errors import UsageError
 
 
-def recipe_of_rollouts(rollouts: Path) -> Path | None:
+def recipe_of_rollouts(rollouts: Path, note: Callable[[str], None]) -> Path | None:
     """The recipe of the run whose model wrote the rollouts (its rows' model_path), if it is one;
     otherwise None, and the usual default (the latest run's) applies."""
     import json
@@ -27,15 +30,13 @@ def recipe_of_rollouts(rollouts: Path) -> Path | None:
     try:
         return resolve_model_reference(model_path).recipe_path
     except PpoError:
-        from ppo_cli import report
-
-        report.note(f"the rollouts' model {model_path} is not found from here, so its run's recipe is not used")
+        note(f"the rollouts' model {model_path} is not found from here, so its run's recipe is not used")
         return None
 
 
-def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None):
+def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None, *,
+                      note: Callable[[str], None]):
     """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
-    from ppo_cli import report
     from ppo_cli.model_refs import recipe_for_models, resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
 
@@ -49,9 +50,9 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
     if loaded is None:
         recipe_path = recipe_for_models(models, run, output_root=root)
         loaded = load_recipe(recipe_path, sets)
-    report.note(f"recipe: {recipe_path}")
+    note(f"recipe: {recipe_path}")
     for model in models:
-        report.note(f"model: {model.describe()}")
+        note(f"model: {model.describe()}")
     if models:  # before the reward model or any policy loads
         check_vllm_backend(loaded, models=models)
     return loaded, models
@@ -71,8 +72,7 @@ def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
         check_can_sample(model)
 
 
-def command_prompts(path, field, recipe) -> tuple[list[str], str]:
-    from ppo_cli import report
+def command_prompts(path, field, recipe, note: Callable[[str], None]) -> tuple[list[str], str]:
     from ppo_cli.engine.data import read_recipe_prompts  # no torch, and `datasets` only for datasets
 
     which = "eval_prompts" if path is None and recipe.data.eval_prompts else "prompts"
@@ -80,7 +80,7 @@ def command_prompts(path, field, recipe) -> tuple[list[str], str]:
     path = path or getattr(recipe.data, which)
     if prompt_set.skipped_blank:
         n = prompt_set.skipped_blank
-        report.note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
+        note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
     return prompt_set.prompts, str(path)
 
 

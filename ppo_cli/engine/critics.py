@@ -62,6 +62,12 @@ class Critic:
         """A critic that trains a backbone learns at the policy's rate."""
         return policy_lr
 
+    def forward_parameters(self, ac, policy: int) -> int:
+        """Parameters the critic's own forward reads, for the update's FLOPs (perf.py's MFU);
+        ``policy``: the policy's parameter count. 0 when the values come with the policy's forward."""
+        backbone = ac.value_backbone
+        return sum(p.numel() for p in backbone.parameters()) if backbone is not None else 0
+
     def features_fixed(self, ac) -> bool:
         """Are the features for a rollout the same at every update (a frozen network)? Then the update
         reuses the rollout's instead of running the critic again."""
@@ -127,6 +133,9 @@ class AdapterCritic(Critic):
 
     def trained_parameters(self, ac):
         return [p for n, p in ac.policy.named_parameters() if f".{VALUE_ADAPTER}." in n and p.requires_grad]
+
+    def forward_parameters(self, ac, policy):
+        return policy  # the policy's base, with the value adapter active
 
     def features(self, ac, sequences, attention_mask, response_len):
         from ppo_cli.engine.logprobs import backbone_hidden, response_slice

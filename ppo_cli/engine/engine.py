@@ -211,7 +211,7 @@ class Engine:
         forwards = 0 if self.reuses_generation_forward() else policy  # old log-probs
         if not ac.reference_is_policy:
             forwards += count(ac.ref_model) if ac.ref_model is not None else policy
-        critic = count(ac.value_backbone) or (policy if ac.value_kind == "adapter" else 0)  # the critic's own forward
+        critic = ac.critic.forward_parameters(ac, policy) if ac.critic is not None else 0  # the critic's own forward
         shared = self.shared_reward is not None and SHARED_REWARD_FORWARD  # the reward model's forward serves it
         forwards += (0 if shared else critic) + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
         trained = policy + (0 if ac.value_features_fixed else critic)
@@ -270,6 +270,11 @@ def _tunable_libc():
         return None
 
 
+def _mallopt():
+    """glibc's mallopt, where malloc may be tuned (_tunable_libc); None otherwise (musl has none)."""
+    return getattr(_tunable_libc(), "mallopt", None)
+
+
 # glibc's mallopt parameters (malloc.h) and its defaults on 64-bit Linux.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 GLIBC_TRIM_THRESHOLD, GLIBC_TOP_PAD = 128 * 1024, 128 * 1024
@@ -288,11 +293,8 @@ def keep_freed_memory() -> None:
     heap and (almost) never trimming it keeps those pages resident and reused; the resident set then
     stays at its peak (which it reaches anyway). A no-op off glibc or with CPU_MALLOC_TUNING off.
     """
-    libc = _tunable_libc()
-    if libc is None:
-        return
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:  # musl
+    mallopt = _mallopt()
+    if mallopt is None:
         return
     mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's maximum on 64-bit (also fixes it)
     mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: trim only above 2 GB free at the top
@@ -313,8 +315,7 @@ def return_freed_memory() -> None:
     trimming) unmaps it on free; the cost is the kernel faulting the pages in again at each gather.
     A no-op off glibc or with CPU_MALLOC_TUNING off.
     """
-    libc = _tunable_libc()
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = _mallopt()
     if mallopt is None:
         return
     mallopt(M_TOP_PAD, GLIBC_TOP_PAD)

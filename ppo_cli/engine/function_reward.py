@@ -22,6 +22,42 @@ from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
 
 
+def check(component: FunctionReward, contact_servers: bool = True, import_functions: bool = False) -> None:
+    """``import_functions`` (train): the module is imported, so an import error shows now. Else (validate)
+    the file exists and defines the name: read, not run."""
+    if import_functions:
+        load_reward_function(component.function)
+        return
+    target, _, name = component.function.rpartition(":")
+    if not target.endswith(".py"):
+        return
+    path = Path(target)
+    if not path.is_file():
+        raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
+    check_defines(path, name)
+
+
+def check_defines(path: Path, name: str) -> None:
+    import ast
+    import difflib
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return  # importing it says what is wrong, when training
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    if name not in defined:
+        close = difflib.get_close_matches(name, sorted(defined), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"define def {name}(prompts, responses) -> list[float]"
+        raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
+
+
+def display_name(component: FunctionReward) -> str:
+    return component.function.rpartition(":")[2]
+
+
 def load_reward_function(spec: str) -> Callable:
     """Import 'package.module:name' or 'path/to/file.py:name' and check it takes (prompts, responses)."""
     target, _, name = spec.rpartition(":")
@@ -127,3 +163,6 @@ class FunctionScorer:
         if missing:
             self.failure = f"reward function '{self.spec}' returned None for {missing} of {count} responses"
         return values
+
+
+Scorer = FunctionScorer

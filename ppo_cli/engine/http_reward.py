@@ -12,9 +12,24 @@ from __future__ import annotations
 
 import math
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, check_credentials_transport, gather_bounded, new_client,
-                                   quote, request_json)
+from urllib.parse import urlsplit
+
+from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+                                   new_client, probe, quote, request_json)
 from ppo_cli.recipe import SECRET_HEADER, HttpReward
+
+
+def check(component: HttpReward, contact_servers: bool = True, import_functions: bool = False) -> None:
+    """Every ${VAR} its headers name is set, and (``contact_servers``) the server answers an empty batch."""
+    secrets = Secrets()
+    headers = {name: secrets.resolve(value, f"reward server {component.url} header '{name}'")
+               for name, value in component.headers.items()}
+    if contact_servers:
+        probe("POST", component.url, component, secrets, headers, {"prompts": [], "responses": [], "columns": {}})
+
+
+def display_name(component: HttpReward) -> str:
+    return f"http:{urlsplit(component.url).netloc}"
 
 
 class HttpScorer(RemoteScorer):
@@ -74,3 +89,6 @@ def json_text(value) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+Scorer = HttpScorer

@@ -11,11 +11,33 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, check_credentials_transport, gather_bounded, new_client,
-                                   quote, request_json)
+from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+                                   new_client, probe, quote, request_json)
+from ppo_cli.errors import DataError
 from ppo_cli.recipe import JudgeReward
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def check(component: JudgeReward, contact_servers: bool = True, import_functions: bool = False) -> None:
+    """The template file has {response}, the API key's variable is set, and (``contact_servers``) the server answers."""
+    template = Path(component.prompt)
+    if not template.is_file():
+        raise DataError(f"judge prompt template not found: {template}", hint="paths are relative to the current directory")
+    if "{response}" not in template.read_text(encoding="utf-8", errors="replace"):
+        raise DataError(f"judge prompt template {template} has no {{response}}",
+                        hint="write {prompt} and {response} where the judge should read them")
+    secrets = Secrets()
+    headers = {}
+    if component.api_key_env:
+        headers["Authorization"] = "Bearer " + secrets.key(component.api_key_env, f"judge {component.base_url} (api_key_env)")
+    if contact_servers:
+        # OpenAI-compatible servers list their models here; one that has no such route still answered.
+        probe("GET", component.base_url.rstrip("/") + "/models", component, secrets, headers, None, allow={404, 405})
+
+
+def display_name(component: JudgeReward) -> str:
+    return f"judge:{component.model}"
 
 
 def prompt_text(prompt) -> str:
@@ -77,3 +99,6 @@ class JudgeScorer(RemoteScorer):
             raise RemoteFailure(f"judge {self.url} answered {quote(str(text), self.secrets)}, which has no number in "
                                 f"[{low:g}, {high:g}]")
         return [score]
+
+
+Scorer = JudgeScorer

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MAX_BACKOFF_S = 30.0
 QUOTED_ANSWER = 120  # characters of a server's answer quoted in a failure message
+PROBE_TIMEOUT_S = 10.0  # the most one "does it answer" request waits, whatever the component's timeout_s
+# Answers that mean the server is there but will not score: wrong path, no credentials, broken.
+REFUSING = {401: "unauthorized: check the credentials", 403: "forbidden: check the credentials",
+            404: "not found: check the path", 405: "does not take POST: check the path"}
 
 
 class RemoteFailure(Exception):
@@ -97,6 +101,27 @@ def check_credentials_transport(url: str, component: "HttpReward | JudgeReward")
 def quote(text: str, secrets: Secrets) -> str:
     text = secrets.redact(" ".join(text.split()))
     return repr(text if len(text) <= QUOTED_ANSWER else text[:QUOTED_ANSWER] + "...")
+
+
+def probe(method: str, url: str, component, secrets: Secrets, headers: dict, body, allow: set[int] = frozenset()) -> None:
+    """One request before any model loads (`ppo validate`, train's preflight): a server that does not
+    answer in time, or refuses, is one line naming the URL."""
+    import httpx
+
+    timeout = min(component.timeout_s, PROBE_TIMEOUT_S)
+    hint = f"start the server (or fix the URL) and run again; checked with one request, {timeout:g} s timeout"
+    try:
+        response = httpx.request(method, url, headers=headers, json=body, timeout=timeout)
+    except httpx.TimeoutException:
+        raise RewardServerUnreachable(f"{component.type} reward {url} did not answer within {timeout:g} s", hint=hint) from None
+    except httpx.HTTPError as err:
+        raise RewardServerUnreachable(f"{component.type} reward {url} cannot be reached ({secrets.redact(str(err)) or type(err).__name__})",
+                                      hint=hint) from None
+    status = response.status_code
+    if (status in REFUSING and status not in allow) or status >= 500:
+        reason = REFUSING.get(status, "server error")
+        raise RewardServerUnreachable(f"{component.type} reward {url} answered HTTP {status} ({reason}) "
+                                      f"{quote(response.text, secrets)}", hint=hint)
 
 
 async def request_json(client, method: str, url: str, policy: Policy, secrets: Secrets, *,

@@ -1,0 +1,26 @@
+"""The reward types: a component's ``type`` -> the module that owns it.
+
+Each module holds everything its type means beyond the schema (recipe.py):
+
+- ``Scorer``: built as ``Scorer(component, device, system_prompt)`` when the engine loads, called as
+  ``scorer(prompts, responses) -> list[float | None]`` or awaited as ``scorer.ascore(prompts,
+  responses, columns)``; ``reads_columns`` if it wants the rows' other columns, ``failure`` (its
+  latest failure, one line) if it can fail;
+- ``check(component, contact_servers, import_functions)``: its files, credentials and servers, before
+  any model loads (`ppo validate`, train's preflight; reward_checks.py);
+- ``display_name(component)``: its name in the metrics, logs and summary.
+
+Importing this registry imports no torch: the type modules load their models only when a scorer is built.
+"""
+
+from __future__ import annotations
+
+from ppo_cli.engine import function_reward, http_reward, judge, model_reward
+
+REWARD_TYPES = {
+    "model": model_reward,
+    "classifier": model_reward,
+    "function": function_reward,
+    "http": http_reward,
+    "judge": judge,
+}
