@@ -298,6 +298,7 @@ def run_ours(cfg: dict, tag: str, extra: dict | None = None) -> dict:
         "impl": "ours",
         "command": " ".join(command[1:]),
         "seconds_per_update": [m["time/step_s"] for m in metrics],
+        "cpu_seconds_per_update": [m["time/step_cpu_s"] for m in metrics],
         "rollout_seconds": [m["time/rollout_s"] for m in metrics],
         "scores": [m["objective/scores"] for m in metrics],
         "kl": [m["objective/kl"] for m in metrics],
@@ -354,7 +355,9 @@ def record(result: dict, cfg: dict, kind: str, path: Path) -> None:
 
 def _brief(result: dict, warmup: int) -> str:
     s = result["seconds_per_update"][warmup:] or result["seconds_per_update"]
-    return (f"{result['impl']:>5}: {statistics.median(s):7.2f} s/update, peak {result['peak_memory_gb']:.2f} GB, "
+    cpu = result.get("cpu_seconds_per_update") or []
+    cpu = f", {statistics.median(cpu[warmup:] or cpu):.2f} CPU s/update" if cpu else ""
+    return (f"{result['impl']:>5}: {statistics.median(s):7.2f} s/update{cpu}, peak {result['peak_memory_gb']:.2f} GB, "
             f"mean score {statistics.fmean(result['scores']):+.3f}")
 
 

@@ -443,7 +443,7 @@ def process_prompts(sampler: PromptSampler, size: int, rank: int, world_size: in
 def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     """One PPO update: rollout -> advantages -> optimise -> adapt. Returns its metrics."""
     recipe, engine = state.recipe, state.engine
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
 
     dist, G = state.dist, recipe.generation.num_generations
     enter_phase("rollout")
@@ -499,6 +499,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         "time/rollout_s": rollout_seconds,
         "time/update_s": seconds - rollout_seconds,
         "time/step_s": seconds,
+        # this process's CPU seconds, all threads: the speed figure on a shared machine, where wall time waits
+        "time/step_cpu_s": time.process_time() - cpu_started,
         "tokens_per_s": generated_tokens / seconds,
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
     })
