@@ -225,7 +225,8 @@ def bench_config(args, **override) -> dict:
     """The shared settings of one comparison (both implementations get exactly these)."""
     cfg = dict(
         shape=args.shape, lora=True, updates=args.updates, batch=8, mini_batches=1, micro_batch=8, epochs=4,
-        response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0, threads=2,
+        response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0,
+        threads=getattr(args, "threads", 2),
         value_kind="head", rollout_logprobs="generation", precision="fp32",
     )
     cfg.update(override)
@@ -688,6 +689,7 @@ def main(argv=None) -> int:
         p.add_argument("--max-load", type=float, default=1.2, help="wait until the 1-minute load is below this (0: never)")
         p.add_argument("--only", default=None)
         p.add_argument("--tag", default="", help="suffix of the results file, e.g. -curve")
+        p.add_argument("--threads", type=int, default=2, help="torch threads per run (1 on a shared machine)")
         p.add_argument("--lr", type=float, default=None, help="default: 3e-3 with LoRA, 1e-4 full")
     sub.add_parser("plan-check")
     p = sub.add_parser("report")
