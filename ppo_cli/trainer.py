@@ -417,6 +417,8 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
         raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
                          f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
     configure_deepspeed(dist.accelerator, recipe.ppo.micro_batch_size, recipe.optim.max_grad_norm)
+    if dist.world_size == 1 and not dist.uses_deepspeed:
+        engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(

@@ -208,6 +208,21 @@ class Engine:
         head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
         return head is not None and head.weight.dtype == torch.float32
 
+    def store_frozen_weights_in_compute_dtype(self) -> int:
+        """Under bf16/fp16 autocast, a LoRA policy's frozen Linear weights stored in that dtype
+        (engine/frozen_weights.py: the same numbers, half their memory, no cast per call). One process
+        only (FSDP and DeepSpeed shard and flatten the weights themselves); not for a quantized policy
+        (its own kernels) or a vLLM sampler (which reads the weights). Returns the layers stored."""
+        from ppo_cli.engine.frozen_weights import store_frozen_linears_in
+        from ppo_cli.engine.precision import AUTOCAST_DTYPES
+
+        policy = self.actor_critic.policy
+        if self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler is not None:
+            return 0
+        if is_quantized(policy):
+            return 0
+        return store_frozen_linears_in(policy, AUTOCAST_DTYPES[self.mixed_precision])
+
     def model_sizes(self) -> ModelSizes:
         """Parameter counts of the forwards one update runs (perf.py's MFU); call before FSDP shards them."""
         ac = self.actor_critic
