@@ -7,6 +7,7 @@ wall-clock-to-target over many seeds, and peak memory per estimator.
     python benchmarks/bench_estimators.py memory --shape tiny --updates 3            # peak memory, a fresh process per arm
     python benchmarks/bench_estimators.py memory --shape 0.5b-6l --updates 2         # the same at the 0.5B widths, 6 layers
     python benchmarks/bench_estimators.py trl --shape tiny --updates 8 --rounds 2    # grpo against TRL's GRPOTrainer
+    python benchmarks/bench_estimators.py trl --shape smollm2 --updates 3 --rounds 1 # the same on the real SmolLM2
     python benchmarks/bench_estimators.py report [--target 5.0]                      # the tables
 
 Every arm gets 8 episodes per update: PPO 8 prompts x 1 completion; the group estimators 2 prompts x 4
@@ -149,8 +150,9 @@ def cmd_worker(args) -> None:
 
 
 def resolve_shape(shape: str) -> str:
-    """tiny and 0.5b as bench_vs_trl.py builds them; 0.5b-<N>l built here on first use (bench_critic.py)."""
-    return shape if shape in ("tiny", "0.5b") else critic.shallow_models(int(shape.split("-")[1][:-1]))
+    """tiny, 0.5b and smollm2 (the real SmolLM2-135M-Instruct) as bench_vs_trl.py builds them; 0.5b-<N>l
+    built here on first use (bench_critic.py)."""
+    return shape if shape in ("tiny", "0.5b", "smollm2") else critic.shallow_models(int(shape.split("-")[1][:-1]))
 
 
 def cmd_memory(args) -> None:
@@ -340,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--group", type=int, default=4)
     p = sub.add_parser("trl")
-    p.add_argument("--shape", default="tiny")
+    p.add_argument("--shape", default="tiny", help="tiny, 0.5b, 0.5b-<N>l or smollm2 (bench_vs_trl.py models --smollm2)")
     p.add_argument("--updates", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--group", type=int, default=4)

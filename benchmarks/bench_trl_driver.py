@@ -157,10 +157,12 @@ def main(argv=None) -> int:
             self.logs: list[dict] = []
 
         def on_train_begin(self, a, state, control, **kw):
-            self.begin = time.perf_counter()
+            self.begin, self.begin_cpu = time.perf_counter(), time.process_time()
+            self.cpu_ends: list[float] = []
 
         def on_step_end(self, a, state, control, **kw):
             self.ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "objective/scores" in logs:
@@ -178,12 +180,15 @@ def main(argv=None) -> int:
     # until the end of this one, as ppo_cli's time/step_s does for its train_step.
     ends = [recorder.begin] + recorder.ends
     seconds = [b - a for a, b in zip(ends, ends[1:])]
+    cpu_ends = [recorder.begin_cpu] + recorder.cpu_ends
+    cpu_seconds = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])]  # this process's, all threads
     result = {
         "impl": "trl",
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
         "seconds_per_update": seconds,
+        "cpu_seconds_per_update": cpu_seconds,
         "scores": [log["objective/scores"] for log in recorder.logs],
         "kl": [log["objective/kl"] for log in recorder.logs],
         "generated_tokens": record["tokens"],

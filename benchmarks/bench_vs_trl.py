@@ -225,7 +225,8 @@ def bench_config(args, **override) -> dict:
     """The shared settings of one comparison (both implementations get exactly these)."""
     cfg = dict(
         shape=args.shape, lora=True, updates=args.updates, batch=8, mini_batches=1, micro_batch=8, epochs=4,
-        response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0, threads=2,
+        response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0,
+        threads=getattr(args, "threads", 2),
         value_kind="head", rollout_logprobs="generation", precision="fp32",
     )
     cfg.update(override)
@@ -298,6 +299,7 @@ def run_ours(cfg: dict, tag: str, extra: dict | None = None) -> dict:
         "impl": "ours",
         "command": " ".join(command[1:]),
         "seconds_per_update": [m["time/step_s"] for m in metrics],
+        "cpu_seconds_per_update": [m["time/step_cpu_s"] for m in metrics],
         "rollout_seconds": [m["time/rollout_s"] for m in metrics],
         "scores": [m["objective/scores"] for m in metrics],
         "kl": [m["objective/kl"] for m in metrics],
@@ -354,7 +356,9 @@ def record(result: dict, cfg: dict, kind: str, path: Path) -> None:
 
 def _brief(result: dict, warmup: int) -> str:
     s = result["seconds_per_update"][warmup:] or result["seconds_per_update"]
-    return (f"{result['impl']:>5}: {statistics.median(s):7.2f} s/update, peak {result['peak_memory_gb']:.2f} GB, "
+    cpu = result.get("cpu_seconds_per_update") or []
+    cpu = f", {statistics.median(cpu[warmup:] or cpu):.2f} CPU s/update" if cpu else ""
+    return (f"{result['impl']:>5}: {statistics.median(s):7.2f} s/update{cpu}, peak {result['peak_memory_gb']:.2f} GB, "
             f"mean score {statistics.fmean(result['scores']):+.3f}")
 
 
@@ -685,6 +689,7 @@ def main(argv=None) -> int:
         p.add_argument("--max-load", type=float, default=1.2, help="wait until the 1-minute load is below this (0: never)")
         p.add_argument("--only", default=None)
         p.add_argument("--tag", default="", help="suffix of the results file, e.g. -curve")
+        p.add_argument("--threads", type=int, default=2, help="torch threads per run (1 on a shared machine)")
         p.add_argument("--lr", type=float, default=None, help="default: 3e-3 with LoRA, 1e-4 full")
     sub.add_parser("plan-check")
     p = sub.add_parser("report")

@@ -23,6 +23,8 @@ loading and its peak (ru_maxrss) after each phase. ``--lever`` turns a speed lev
     inference_mode=off   reference/critic rollout forwards under no_grad instead of inference_mode
     fused_adamw=off      for-loop AdamW instead of the fused kernel
     malloc=off           glibc's defaults: freed activations go back to the kernel and are faulted in again
+    frozen_bf16=off      a LoRA policy's frozen Linear weights stay float32 under bf16 autocast (cast at each call)
+    defer_old=off        GRPO: the rollout's own policy forward for the old log-probs, not the update's first epoch
 
 The old log-probs lever is a recipe key: --set ppo.rollout_logprobs=forward (a second policy forward)
 or generation (reuse the sampling passes).
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
         engine_module.selective_log_softmax = trainer.selective_log_softmax = lp.selective_log_softmax = naive
     if "trim" in levers_off:
         engine_module.trim_padding = lambda generation: generation
+    if "frozen_bf16" in levers_off:
+        engine_module.Engine.store_frozen_weights_in_compute_dtype = lambda self: 0
+    if "defer_old" in levers_off:
+        trainer.defer_old_logprobs = lambda *args: False
     if "fused_adamw" in levers_off:
         original_adamw = torch.optim.AdamW
 

@@ -202,8 +202,16 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     lora = s.lora
     # --- policy
     qlora_rest = 4.0 if s.quantization != "none" and lora is not None else None
-    lines.append(Line("policy", "weights", policy.weight_bytes(s.dtype, s.quantization, qlora_rest) / GB,
-                      weights_how(policy, s.dtype, s.quantization)))
+    if (lora is not None and s.quantization == "none" and s.mixed_precision != "no" and b[s.dtype] > 2
+            and s.processes == 1 and s.sharding == "none"):
+        # the frozen base's linear layers stored in the autocast dtype (engine/frozen_weights.py)
+        rest = policy.total_params - policy.linear_params
+        lines.append(Line("policy", "weights", (policy.linear_params * 2 + rest * b[s.dtype]) / GB,
+                          f"{policy.linear_params / 1e6:.1f}M frozen in linear layers x 2 B ({s.mixed_precision}) "
+                          f"+ {rest / 1e6:.1f}M x {b[s.dtype]:g} B ({s.dtype})"))
+    else:
+        lines.append(Line("policy", "weights", policy.weight_bytes(s.dtype, s.quantization, qlora_rest) / GB,
+                          weights_how(policy, s.dtype, s.quantization)))
     if lora is not None:
         n = policy.lora_params(lora)
         lines.append(Line("policy", "LoRA adapter", n * 4 / GB, f"{n / 1e6:.2f}M params (r={lora.r}) x 4 B"))

@@ -93,7 +93,10 @@ def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_
     ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
     Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
     count in no whitening statistic."""
-    kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.response_mask, 0.0)
+    if rollout.logprobs is None:  # left to the update (defer_old_logprobs): the KL is in the loss, nothing here reads it
+        kl = torch.zeros_like(rollout.ref_logprobs)
+    else:
+        kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.response_mask, 0.0)
     mask = rollout.train_mask
     if ppo.critic_free:
         return critic_free_advantages(rollout, kl, 0.0 if ppo.kl_in_loss else kl_coef, ppo, reduce_sum, group_size)
@@ -151,6 +154,8 @@ class UpdateStats:
     grad_norms: list[float] = field(default_factory=list)
     optimizer_steps: int = 0
     skipped_steps: int = 0  # optimizer steps dropped for a non-finite loss or gradient
+    # (B, T) the old log-probs the first epoch computed, when the rollout left them out (defer_old_logprobs)
+    old_logprobs: torch.Tensor | None = None
 
     def add(self, **stats: torch.Tensor) -> None:
         for name, value in stats.items():
@@ -176,13 +181,18 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
                                      None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
+    if rollout.logprobs is None:  # the policy has not moved since the rollout: its old log-probs are these
+        old_logprobs = torch.where(gen.response_mask[rows, :T], logprobs.detach(), 0.0)
+        stats.old_logprobs[rows, :T] = old_logprobs
+    else:
+        old_logprobs = rollout.logprobs[rows, :T]
     loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
     weights = None
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
-        weights = truncated_is_weights(rollout.logprobs[rows, :T], rollout.sampler_logprobs[rows, :T], gen.response_mask[rows, :T],
+        weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.response_mask[rows, :T],
                                        ppo.rollout_is_clip)
     max_len = state.recipe.generation.max_new_tokens
-    policy = clipped_policy_loss(logprobs, rollout.logprobs[rows, :T], adv.advantages[rows, :T], loss_mask,
+    policy = clipped_policy_loss(logprobs, old_logprobs, adv.advantages[rows, :T], loss_mask,
                                  ppo.cliprange, token_weights=weights, cliprange_high=ppo.cliprange_high,
                                  ratio_level=ppo.ratio_level, loss_agg_mode=ppo.loss_aggregation,
                                  max_response_length=max_len)
@@ -240,7 +250,13 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
     accelerator = state.dist.accelerator
     params = [p for group in optimizer.param_groups for p in group["params"]]
     batch_size, stats = len(rollout.prompts), UpdateStats()
+    if rollout.logprobs is None:
+        if ppo.mini_batch_size < batch_size:
+            raise ValueError("old log-probs left to the update need one mini-batch per epoch (defer_old_logprobs)")
+        stats.old_logprobs = torch.zeros_like(rollout.ref_logprobs)
     for epoch in range(ppo.ppo_epochs):
+        if epoch == 1 and stats.old_logprobs is not None:  # every episode has been through the first forward
+            rollout = rollout._replace(logprobs=stats.old_logprobs)
         epoch_start = len(stats.values.get("approx_kl", []))
         order = torch.randperm(batch_size, device=state.engine.device)
         for index_in_epoch, mini_batch in enumerate(order.split(ppo.mini_batch_size)):
@@ -401,6 +417,8 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
         raise ValueError(f"the engine computes in {engine.mixed_precision!r} but the accelerator in "
                          f"{dist.mixed_precision!r}: load the engine with the Distributed's mixed_precision")
     configure_deepspeed(dist.accelerator, recipe.ppo.micro_batch_size, recipe.optim.max_grad_norm)
+    if dist.world_size == 1 and not dist.uses_deepspeed:
+        engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
     return TrainState(
@@ -427,13 +445,14 @@ def process_prompts(sampler: PromptSampler, size: int, rank: int, world_size: in
 def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     """One PPO update: rollout -> advantages -> optimise -> adapt. Returns its metrics."""
     recipe, engine = state.recipe, state.engine
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
 
     dist, G = state.dist, recipe.generation.num_generations
     enter_phase("rollout")
     prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
+    deferred = defer_old_logprobs(recipe.ppo, engine, len(prompts))
     with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
-        rollout = engine.collect_rollout(prompts)
+        rollout = engine.collect_rollout(prompts, old_logprobs=not deferred)
     rollout_seconds = time.perf_counter() - started
     rollout = check_rewards(rollout, state, G)
 
@@ -448,6 +467,14 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
+    if deferred:  # the metrics and the KL controller read the old log-probs; the advantages are unchanged
+        if stats is None:  # the update was skipped before its first forward
+            with dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
+                old_logprobs = engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size)[0]
+        else:
+            old_logprobs = stats.old_logprobs
+        rollout = rollout._replace(logprobs=old_logprobs)
+        adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
     if stats is not None:
@@ -474,10 +501,27 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         "time/rollout_s": rollout_seconds,
         "time/update_s": seconds - rollout_seconds,
         "time/step_s": seconds,
+        # this process's CPU seconds, all threads: the speed figure on a shared machine, where wall time waits
+        "time/step_cpu_s": time.process_time() - cpu_started,
         "tokens_per_s": generated_tokens / seconds,
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
     })
     return metrics, rollout
+
+
+def defer_old_logprobs(ppo: PPOConfig, engine: Engine, episodes: int) -> bool:
+    """Leave the old log-probs out of the rollout, for the update's first epoch to compute?
+
+    Exact where nothing reads them before the update and the policy cannot move before each episode's
+    first forward in it: no critic (a value head's values come from the same forward), the KL in the
+    loss (then the advantages do not read the KL; TRL's GRPO also skips this forward, where it runs
+    one optimizer step per generation), and one mini-batch per epoch (the first optimizer step comes
+    after every episode has been through the model). Saves one policy forward per update, and the
+    first ratio is exactly 1.
+    """
+    ac = engine.actor_critic
+    return (ac.critic is None and not ac.reference_is_policy and ppo.kl_in_loss
+            and ppo.mini_batch_size >= episodes)
 
 
 def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollout:
@@ -542,10 +586,11 @@ def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
     """The first non-finite quantity of a rollout, by name, or None when all are finite."""
     mask = rollout.generation.response_mask
     values = rollout.values[mask] if rollout.values is not None else torch.zeros(0)
+    logprobs = [rollout.ref_logprobs[mask]] + ([] if rollout.logprobs is None else [rollout.logprobs[mask]])
     checks = (
         ("non-finite rewards", rollout.scores),
         ("non-finite values", values),
-        ("non-finite log-probs", torch.cat([rollout.logprobs[mask], rollout.ref_logprobs[mask]])),
+        ("non-finite log-probs", torch.cat(logprobs)),
         ("non-finite advantages", adv.advantages[mask]),
     )
     for reason, tensor in checks:

@@ -317,7 +317,7 @@ def test_plan_command_per_process(tiny_models, tmp_path):
     assert "policy gathered for generation" in result.output
 
 
-def test_mixed_precision_halves_float32_activations_and_adds_autocast_weight_copies_when_weights_train(model_dir):
+def test_mixed_precision_halves_float32_activations_and_frozen_linears_and_adds_autocast_copies_when_weights_train(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     for lora in (LoraConfig(r=4, alpha=8), None):
         fp32 = parts(estimate(settings(lora=lora), shape, None, []))
@@ -325,7 +325,10 @@ def test_mixed_precision_halves_float32_activations_and_adds_autocast_weight_cop
         assert bf16["policy", "activations (update)"] == pytest.approx(fp32["policy", "activations (update)"] / 2)
         assert bf16["policy", "logits (update)"] == fp32["policy", "logits (update)"]  # upcast to float32
         assert bf16["rollout", "KV cache"] == fp32["rollout", "KV cache"]  # float32 after RoPE
-        assert bf16["policy", "weights"] == fp32["policy", "weights"]  # float32 master weights
+        if lora is None:
+            assert bf16["policy", "weights"] == fp32["policy", "weights"]  # float32 master weights
+        else:  # the frozen base's linear layers stored in bf16, the rest float32
+            assert bf16["policy", "weights"] == pytest.approx(fp32["policy", "weights"] - LINEAR * 2)
     assert bf16["policy", "autocast weight copies (update)"] == pytest.approx(LINEAR * 2)  # full fine-tune (lora None)
     lora_bf16 = parts(estimate(settings(mixed_precision="bf16"), shape, None, []))
     assert ("policy", "autocast weight copies (update)") not in lora_bf16  # frozen base: cast per use, not cached

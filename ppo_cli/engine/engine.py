@@ -144,7 +144,7 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None,
-                                     fixed_features: torch.Tensor | None = None):
+                                     fixed_features: torch.Tensor | None = None, old_logprobs: bool = True):
         """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask
         (values None without a critic: inference), and, for a frozen value model, the features its head
         read (B, T, H) (else None).
@@ -152,8 +152,11 @@ class Engine:
         ``sampled``: the log-probs (and hidden states) taken from generation's own forward passes
         (generate_with_logprobs); the policy's forward pass is then skipped. ``fixed_features``: the
         frozen value model's features already computed (B, T, H) (shared_reward_forward); its forward
-        is then skipped.
+        is then skipped. ``old_logprobs`` False (no critic, a separate reference): no policy forward,
+        and None for the old log-probs (the update's first epoch computes them: defer_old_logprobs).
         """
+        if not old_logprobs and (self.actor_critic.critic is not None or self.actor_critic.reference_is_policy):
+            raise ValueError("the old log-probs can be left out only without a critic and with a separate reference")
         ac, temperature = self.actor_critic, self.recipe.generation.temperature
         sequences, attention_mask = generation.sequences, generation.attention_mask
         T = generation.response_ids.shape[1]
@@ -161,7 +164,9 @@ class Engine:
         has_critic, keep_features = ac.critic is not None, ac.value_features_fixed
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
-            if sampled is None:
+            if not old_logprobs:
+                vals = None
+            elif sampled is None:
                 with self.autocast():
                     logits, vals = policy_forward(ac, seq, attn, T, temperature)
                 logprobs.append(selective_log_softmax(logits, resp))
@@ -185,7 +190,7 @@ class Engine:
                 values.append(vals.clone())
         mask = generation.response_mask
         zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
-        return (zero(logprobs), zero(ref_logprobs), zero(values) if has_critic else None,
+        return (zero(logprobs) if old_logprobs else None, zero(ref_logprobs), zero(values) if has_critic else None,
                 torch.cat(features) if features else None)
 
     def reuses_generation_forward(self) -> bool:
@@ -203,6 +208,21 @@ class Engine:
         head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
         return head is not None and head.weight.dtype == torch.float32
 
+    def store_frozen_weights_in_compute_dtype(self) -> int:
+        """Under bf16/fp16 autocast, a LoRA policy's frozen Linear weights stored in that dtype
+        (engine/frozen_weights.py: the same numbers, half their memory, no cast per call). One process
+        only (FSDP and DeepSpeed shard and flatten the weights themselves); not for a quantized policy
+        (its own kernels) or a vLLM sampler (which reads the weights). Returns the layers stored."""
+        from ppo_cli.engine.frozen_weights import store_frozen_linears_in
+        from ppo_cli.engine.precision import AUTOCAST_DTYPES
+
+        policy = self.actor_critic.policy
+        if self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler is not None:
+            return 0
+        if is_quantized(policy):
+            return 0
+        return store_frozen_linears_in(policy, AUTOCAST_DTYPES[self.mixed_precision])
+
     def model_sizes(self) -> ModelSizes:
         """Parameter counts of the forwards one update runs (perf.py's MFU); call before FSDP shards them."""
         ac = self.actor_critic
@@ -218,9 +238,10 @@ class Engine:
         weight_bytes = sum(p.numel() * p.element_size() for p in ac.policy.parameters())
         return ModelSizes(policy, forwards, trained, weight_bytes)
 
-    def collect_rollout(self, prompts: list[str]) -> Rollout:
+    def collect_rollout(self, prompts: list[str], old_logprobs: bool = True) -> Rollout:
+        """``old_logprobs`` False: rollout.logprobs None, left to the update (evaluate_logprobs_and_values)."""
         started = time.perf_counter()
-        generation, sampled = self._generate(prompts, from_generation=self.reuses_generation_forward())
+        generation, sampled = self._generate(prompts, from_generation=old_logprobs and self.reuses_generation_forward())
         self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
         sampler_logprobs = None
         if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
@@ -230,7 +251,8 @@ class Engine:
         pending = self.reward.start(prompts, responses)
         shared = self.shared_reward_forward(prompts, responses, generation)
         logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
-            generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None
+            generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None,
+            old_logprobs=old_logprobs,
         )
         result = self.score(prompts, responses, generation, shared, pending)
         scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)

@@ -44,14 +44,14 @@ def _every_parameter_partitioned(out: Path) -> Path:
     return config
 
 
-def _command(models: Path, out: Path, config: str, *extra: str, **sets) -> list[str]:
+def _command(models: Path, out: Path, config: str, *extra: str, recipe: str = "tiny_sentiment.yaml", **sets) -> list[str]:
     settings = {
         "data.prompts": ROOT / "recipes/prompts/reviews.txt",
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 1, "ppo.ppo_epochs": 1,
         "ppo.max_kl": "null", "generation.max_new_tokens": 8, "train.total_updates": 2, "optim.max_grad_norm": 0.5,
         **sets,
     }
-    args = [sys.executable, "-m", "ppo_cli", "train", str(ROOT / "recipes/tiny_sentiment.yaml"),
+    args = [sys.executable, "-m", "ppo_cli", "train", str(ROOT / "recipes" / recipe),
             "--accelerate-config", str(ROOT / "recipes/accelerate" / config if config.startswith("deepspeed_")
                                        else _every_parameter_partitioned(out)), "--num-processes", "2"]
     for item in tiny_overrides(models, out, **settings):
@@ -66,6 +66,22 @@ def _env() -> dict:
 def _train(models: Path, out: Path, config: str, *extra: str, **sets) -> subprocess.CompletedProcess:
     return subprocess.run(_command(models, out, config, *extra, **sets), env=_env(), capture_output=True, text=True,
                           timeout=600)
+
+
+def test_deepspeed_zero2_trains_grpo_without_a_critic(tiny_models, tmp_path):
+    """value.kind none under ZeRO-2: one parameter group (the policy's), groups whole on each process,
+    and the old log-probs from the update's first epoch across two accumulated micro-batches."""
+    result = _train(tiny_models, tmp_path, "deepspeed_zero2.yaml", recipe="tiny_grpo.yaml", **{
+        "data.eval_prompts": "null", "generation.num_generations": 2, "ppo.rollout_batch_size": 2,
+        "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 2, "train.total_updates": 1})
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = tmp_path / "tiny-grpo"
+    (m,) = _metrics(run)
+    assert m["episode"] == 2 * 2 * 2  # prompts x completions x processes
+    assert m["val/ratio_first_minibatch"] == 1.0  # the first epoch's own log-probs, before DeepSpeed's one step
+    assert m["policy/grad_norm"] > 0 and m["loss/kl_avg"] >= 0.0 and 0.0 <= m["frac_reward_zero_std"] <= 1.0
+    assert "loss/value_avg" not in m and "value_lr" not in m
+    assert (run / "final" / "adapter_model.safetensors").exists() and not (run / "final" / "critic").exists()
 
 
 def _metrics(run: Path) -> list[dict]:
