@@ -256,3 +256,35 @@ def test_vllm_samples_a_group_as_one_request_with_n_completions(monkeypatch):
     distinct = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4]] * 2)
     sampler.generate(None, distinct, distinct != PAD, STOP, PAD)
     assert [params.n for _, params in sampler.llm.requests] == [1] * 6
+
+
+def test_the_engine_computes_in_the_autocast_dtype_of_float32_weights():
+    bf16 = torch.bfloat16
+    assert vllm_sampler.engine_dtype(torch.float32, "bf16") == bf16  # mixed_precision auto on a bf16 CPU
+    assert vllm_sampler.engine_dtype(torch.float32, "fp16") == torch.float16
+    assert vllm_sampler.engine_dtype(torch.float32, "no") == torch.float32
+    assert vllm_sampler.engine_dtype(bf16, "no") == bf16  # pure bf16 weights stay as they are
+
+
+def test_the_sampler_builds_its_engine_in_the_runs_autocast_dtype(monkeypatch):
+    """A float32 policy trained under bf16 autocast: vLLM gets dtype 'bfloat16' (a float32 engine held
+    the weights twice over and, on SmolLM2-135M, sampled no closer to the bf16 trainer)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    built = {}
+    fake = types.ModuleType("vllm")
+    fake.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    fake.LLM = lambda **kwargs: built.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    policy = torch.nn.Module()
+    policy.config = _Config()
+    embeddings = torch.nn.Embedding(4, 8)
+    policy.get_input_embeddings = lambda: embeddings
+    recipe = _recipe()
+    for mixed_precision, dtype in (("bf16", "bfloat16"), ("no", "float32")):
+        vllm_sampler.VllmSampler(recipe, torch.device("cpu"), policy, mixed_precision=mixed_precision).close()
+        assert built["dtype"] == dtype
+        # The KV cache is sized in the engine's dtype, not the weights'.
+        assert built["kv_cache_memory_bytes"] == vllm_sampler.kv_cache_bytes(recipe, _Config(), getattr(torch, dtype))
