@@ -99,22 +99,25 @@ def main() -> None:
     path = args.model or build_shape(args.shape, Path(tempfile.gettempdir()) / f"ppo_cli-bench-{args.shape}")
 
     import vllm
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.inputs import TokensPrompt
 
     from ppo_cli.engine.generate import generate
     from ppo_cli.recipe import GenerationConfig
 
-    from ppo_cli.engine.vllm_sampler import engine_dtype, max_lora_rank
+    from ppo_cli.engine.vllm_sampler import engine_dtype, kv_cache_bytes_for, max_lora_rank
 
     dtype = getattr(torch, args.dtype)
     vllm_dtype = args.vllm_dtype or str(engine_dtype(dtype, args.autocast)).removeprefix("torch.")
     threads = torch.get_num_threads()
     set_num_threads = torch.set_num_threads
     lora_kwargs = dict(enable_lora=True, max_lora_rank=max_lora_rank(args.lora), max_loras=1) if args.lora else {}
+    # The KV cache ppo_cli's sampler gives a rollout batch of this shape.
+    config = AutoConfig.from_pretrained(path)
+    kv_bytes = kv_cache_bytes_for(args.prompts, args.prompt_len + args.tokens, config, getattr(torch, vllm_dtype))
     rss_before, started = resident_gb(), time.perf_counter()
     llm = vllm.LLM(model=str(path), dtype=vllm_dtype, skip_tokenizer_init=True, generation_config="vllm",
-                   enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=args.prompt_len + args.tokens,
+                   enforce_eager=True, kv_cache_memory_bytes=kv_bytes, max_model_len=args.prompt_len + args.tokens,
                    seed=0, **lora_kwargs)
     vllm_load, vllm_gb = time.perf_counter() - started, resident_gb() - rss_before
     torch.set_num_threads = set_num_threads  # vLLM's CPU worker makes it a no-op for the process

@@ -288,3 +288,16 @@ def test_the_sampler_builds_its_engine_in_the_runs_autocast_dtype(monkeypatch):
         assert built["dtype"] == dtype
         # The KV cache is sized in the engine's dtype, not the weights'.
         assert built["kv_cache_memory_bytes"] == vllm_sampler.kv_cache_bytes(recipe, _Config(), getattr(torch, dtype))
+
+
+def test_smollm2s_kv_cache_is_its_rollout_batch_not_a_large_floor():
+    """SmolLM2-135M (30 layers, 3 KV heads of 64) in bf16: 16 episodes x (64 + 96) tokens x K and V x
+    30 x 3 x 64 x 2 bytes x 1.5 = 88.5 MB. The cache is zeroed at start-up (all of it resident), so a
+    floor far above that (it was 256 MB) is memory the rollout never uses."""
+    class SmolConfig:
+        num_attention_heads, num_key_value_heads, head_dim, hidden_size, num_hidden_layers = 9, 3, 64, 576, 30
+
+    recipe = load_recipe(ROOT / "recipes" / "smollm2_concise.yaml", ["generation.backend=vllm"])
+    assert (recipe.episodes_per_update, recipe.data.max_prompt_tokens, recipe.generation.max_new_tokens) == (16, 64, 96)
+    assert vllm_sampler.kv_cache_bytes(recipe, SmolConfig(), torch.bfloat16) == 16 * 160 * 2 * 30 * 3 * 64 * 2 * 3 // 2
+    assert vllm_sampler.KV_CACHE_FLOOR_BYTES <= 32 * 2**20
