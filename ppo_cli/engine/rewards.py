@@ -185,6 +185,12 @@ class RewardStack:
         """The components that may leave an episode without a reward (None), by name."""
         return [name for name, _, scorer in self.scorers if hasattr(scorer, "failure")]
 
+    def check_columns(self, names: set[str], source: str) -> None:
+        """One line naming a reward function that needs a column the rows of ``source`` lack."""
+        for _, _, scorer in self.scorers:
+            if isinstance(scorer, FunctionScorer):
+                scorer.check_columns(names, f"the rows of {source}")
+
     def columns_for(self, prompts: list) -> dict[str, list]:
         if callable(self._columns):
             self._columns = self._columns()
