@@ -116,3 +116,16 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     assert 0 < sum(finished) < 8  # some rows stop early, some run to max_new_tokens (seed 0)
     assert streams[0].sent_while_sampling >= 1 and streams[0].resent == 0
     assert min(r["at"] for r in server.requests) < ended[0]  # a request reached the server before sampling ended
+
+    # generation fails after a row was handed over: its request is cancelled, nothing is left running
+    def failing(*args, on_finished=None, **kwargs):
+        on_finished([0], [[1, 2]])
+        raise RuntimeError("out of memory")
+
+    server.delay_s = 3.0
+    engine._generate = failing
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.collect_rollout(prompts)
+    assert time.monotonic() - started < 2.0
+    assert not any(t.name == "ppo-reward-stream" for t in threading.enumerate())
