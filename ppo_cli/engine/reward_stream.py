@@ -4,7 +4,8 @@ generate() hands over each row as soon as its stop token is sampled (``finished`
 decoded and queued for every remote component (http, judge), and a request goes out as soon as a
 component's ``batch_size`` rows are queued, on an event loop in a thread of its own, so a server's
 latency overlaps the decoding of the longer responses. The rows still queued, and those that never
-stopped, are sent when generation ends (``results``).
+stopped, are sent when generation ends (``ended``), before the rollout's forwards; ``results``
+collects them all after.
 
 Each completion's reward is what scoring after sampling gives: the text sent must be the text the
 rollout decodes from the finished batch, and a row whose text differs is sent again with that text
@@ -81,17 +82,20 @@ class RewardStream:
 
         part.sent.append((rows, texts, asyncio.run_coroutine_threadsafe(work(), self._loop)))
 
+    def ended(self, responses: list[str]) -> None:
+        """Sampling is over and ``responses`` is the batch as decoded from it: the rows not sent yet,
+        or sent with another text, are sent now."""
+        for part in self.parts.values():
+            good = {row for rows, texts, _ in part.sent for row, text in zip(rows, texts) if text == responses[row]}
+            self.resent += sum(1 for rows, _, _ in part.sent for row in rows if row not in good)
+            rest = [row for row in range(len(responses)) if row not in good]
+            for start in range(0, len(rest), part.scorer.batch_size):
+                batch = rest[start:start + part.scorer.batch_size]
+                self._send(part, batch, [responses[row] for row in batch])
+
     def results(self, responses: list[str]) -> list:
-        """Each component's (B,) values for ``responses`` (the batch as decoded after sampling), or the
-        exception it raised; the rows not sent yet, or sent with another text, are sent now."""
+        """Each component's (B,) values for ``responses`` (given to ``ended`` before), or the exception it raised."""
         try:
-            for part in self.parts.values():
-                good = {row for rows, texts, _ in part.sent for row, text in zip(rows, texts) if text == responses[row]}
-                self.resent += sum(1 for rows, _, _ in part.sent for row in rows if row not in good)
-                rest = [row for row in range(len(responses)) if row not in good]
-                for start in range(0, len(rest), part.scorer.batch_size):
-                    batch = rest[start:start + part.scorer.batch_size]
-                    self._send(part, batch, [responses[row] for row in batch])
             return [self._collect(part, responses) for part in self.parts.values()]
         finally:
             self.close()

@@ -224,6 +224,8 @@ class RewardStack:
         already sent during sampling (``stream``); the rest of them go out now."""
         columns = stream.columns if stream is not None else self._prepare(prompts, columns)
         streamed = stream.indices if stream is not None else []
+        if stream is not None:
+            stream.ended(responses)
         waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore") and i not in streamed]
 
         async def together():

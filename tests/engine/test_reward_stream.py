@@ -42,7 +42,9 @@ def test_finished_rows_are_sent_in_batches_while_sampling_with_the_same_rewards(
     assert server.requests == []  # half a batch waits for its second row
     stream.finished([1], [[1]])
     _wait_for(lambda: len(server.requests) == 1)  # sent while the other rows are still sampling
-    result = _collect(stack, stream)
+    pending = stack.start(PROMPTS, RESPONSES, stream=stream)
+    _wait_for(lambda: len(server.requests) == 2)  # the rest: when sampling ends, before the rollout's forwards
+    result = stack.score(PROMPTS, RESPONSES, [True] * 4, [3] * 4, pending=pending)
     assert result.scores == EXPECTED
     assert [r["body"]["responses"] for r in server.requests] == [[RESPONSES[3], RESPONSES[1]], [RESPONSES[0], RESPONSES[2]]]
     assert server.requests[0]["body"]["prompts"] == ["p3", "p1"]
