@@ -121,6 +121,8 @@ def main() -> None:
                 metrics, _ = train_step(state)
                 times[name].append(time.perf_counter() - started)
                 rollouts[name].append(metrics["time/rollout_s"])
+                print(f"repeat {repeat} {name}: {times[name][-1]:.2f} s per update, rollout "
+                      f"{rollouts[name][-1]:.2f} s", flush=True)  # partial figures if the run is cut short
         alone = []
         n = recipe.episodes_per_update
         for _ in range(args.repeats):
