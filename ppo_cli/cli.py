@@ -287,13 +287,13 @@ def rollout(
 
     check_output_path(out)
     resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
+    prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.rollout import run as run_rollout
 
     settings = inputs.sampling_settings(resolved, num_samples, batch_size)
     with report.progress_bar("rollout", len(prompt_list) * num_samples) as advance:
-        result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance)
+        result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance, columns=columns)
     report.print_rollout(str(result.out), result.rows, result.prompts, result.model)
 
 
@@ -331,13 +331,13 @@ def eval_(
     out = check_output_path(out or Path(f"eval-{inputs.slug(model)}.json"))
     replaced = out.exists()
     resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
+    prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.eval import run as run_eval
 
     with report.progress_bar("eval", len(prompt_list) * num_samples) as advance:
         result = run_eval(resolved, model_ref, prompt_list, inputs.sampling_settings(resolved, num_samples, batch_size),
-                          prompts_source=source, out=out, progress=advance)
+                          prompts_source=source, out=out, progress=advance, columns=columns)
     report.print_eval(result.summary, str(result.out), replaced)
 
 
@@ -356,13 +356,13 @@ def compare(
         raise UsageError(f"--out {out} is a file; compare writes a directory", hint="give a directory name, e.g. --out compare-out")
     resolved, models = inputs.recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed,
                                                note=_note)
-    prompt_list, source = inputs.command_prompts(prompts, field, resolved, _note)
+    prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
     from ppo_cli import report
     from ppo_cli.commands.compare import run as run_compare
 
     with report.progress_bar("compare", 2 * len(prompt_list) * num_samples) as advance:
         result = run_compare(resolved, *models, prompt_list, inputs.sampling_settings(resolved, num_samples, batch_size),
-                             prompts_source=source, out_dir=out, progress=advance)
+                             prompts_source=source, out_dir=out, progress=advance, columns=columns)
     report.print_compare(result.a, result.b, result.difference, result.pairs, [str(f) for f in result.files])
 
 

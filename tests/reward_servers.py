@@ -46,7 +46,7 @@ class _Server:
         self.delay_s = 0.0  # every answer waits this long first (a server that takes its time)
         self.fail_every = 0  # with fault "flaky": every n-th request answers HTTP 500
         self.probe_ok = False  # answer an empty batch (the preflight's request) properly whatever the fault
-        self.requests: list[dict] = []  # {"path", "headers", "body"} of each request, in order
+        self.requests: list[dict] = []  # {"path", "headers", "body", "at" (time.monotonic)} of each request, in order
         self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
         self._httpd = None
@@ -68,7 +68,7 @@ class _Server:
                 body = json.loads(raw) if raw else None
                 with server._lock:
                     server.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
-                                            "method": method})
+                                            "method": method, "at": time.monotonic()})
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                     number = len(server.requests)

@@ -106,3 +106,37 @@ def test_validate_refuses_credentials_over_plain_http_to_another_host(tmp_path):
     assert result.exit_code == EXIT_USAGE
     (line,) = _error_lines(result)
     assert line.endswith("would send credentials over plain http to 192.0.2.7")
+
+
+def _answer_reward(tmp_path: Path) -> dict:
+    path = tmp_path / "answer_reward.py"
+    path.write_text("def reward(prompts, responses, answer):\n    return [float(a) for a in answer]\n")
+    return {"type": "function", "function": f"{path}:reward"}
+
+
+def test_score_gives_rewards_the_columns_each_rollout_row_kept(tmp_path, server):
+    recipe = _recipe(tmp_path, [_answer_reward(tmp_path), {"type": "http", "url": server.score_url, **FAST}])
+    rollouts = tmp_path / "rollouts.jsonl"  # as `ppo rollout --prompts other.jsonl` writes them: not the recipe's rows
+    rows = [{"prompt": "What is 3+4?", "response": "great", "columns": {"answer": "7"}},
+            {"prompt": "What is 1+1?", "response": "awful", "columns": {"answer": "2"}}]
+    rollouts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "scored.jsonl"
+    result = runner.invoke(app, ["score", str(rollouts), "--recipe", str(recipe), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["reward_components"]["reward"] for r in scored] == [7.0, 2.0]
+    assert server.requests[-1]["body"]["columns"] == {"answer": ["7", "2"]}
+
+
+def test_eval_refuses_a_reward_needing_a_column_its_prompts_file_lacks_before_loading(tmp_path):
+    recipe = _recipe(tmp_path, [_answer_reward(tmp_path)])
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "What is 3+4?", "id": 1}\n')
+    # the policy is a bare config.json: loading it would fail, so the refusal comes first
+    result = runner.invoke(app, ["eval", str(tmp_path / "policy"), "--recipe", str(recipe), "--prompts", str(other),
+                                 "--out", str(tmp_path / "eval.json")])
+    assert result.exit_code != 0
+    (line,) = _error_lines(result)
+    assert line == (f"error: reward function '{tmp_path}/answer_reward.py:reward' takes the column(s) answer, which the "
+                    f"rows of {other} do not have")
+    assert "Traceback" not in result.output

@@ -54,10 +54,10 @@ def difference(pairs: list[dict], seed: int, n_resamples: int = 2000) -> dict:
 
 def run(recipe: Recipe, model_a: ResolvedModel, model_b: ResolvedModel, prompts: list[str],
         settings: SamplingSettings, *, prompts_source: str, out_dir: Path | None = None,
-        progress: Progress | None = None) -> CompareResult:
+        progress: Progress | None = None, columns=None) -> CompareResult:
     from ppo_cli.engine.inference import load_reward_stack
 
-    reward = load_reward_stack(recipe)
+    reward = load_reward_stack(recipe, columns, prompts_source)
     rows_a = evaluate_model(recipe, model_a, prompts, settings, reward, progress)
     rows_b = evaluate_model(recipe, model_b, prompts, settings, reward, progress)
     pairs = pair_rows(rows_a, rows_b)

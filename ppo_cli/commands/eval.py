@@ -54,11 +54,12 @@ def describe_run(recipe: Recipe, model: ResolvedModel, prompts_source: str, n_pr
 
 
 def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, *,
-        prompts_source: str, out: Path | None = None, progress: Progress | None = None) -> EvalResult:
+        prompts_source: str, out: Path | None = None, progress: Progress | None = None, columns=None) -> EvalResult:
+    """``columns``: the prompts' other columns (engine/data.PromptColumns), given to rewards that read them."""
     from ppo_cli.engine.inference import load_reward_stack
     from ppo_cli.runs import atomic_write_text
 
-    rows = evaluate_model(recipe, model, prompts, settings, load_reward_stack(recipe), progress)
+    rows = evaluate_model(recipe, model, prompts, settings, load_reward_stack(recipe, columns, prompts_source), progress)
     summary = {**describe_run(recipe, model, prompts_source, len(prompts), settings), **summarize_rows(rows)}
     if out is not None:
         atomic_write_text(Path(out), json.dumps(summary, indent=2) + "\n")

@@ -72,8 +72,10 @@ def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
         check_can_sample(model)
 
 
-def command_prompts(path, field, recipe, note: Callable[[str], None]) -> tuple[list[str], str]:
-    from ppo_cli.engine.data import read_recipe_prompts  # no torch, and `datasets` only for datasets
+def command_prompts(path, field, recipe, note: Callable[[str], None]):
+    """The prompts (--prompts, else the recipe's), where they come from, and their rows' other columns
+    (engine/data.PromptColumns), which rewards that read columns are given, as in training."""
+    from ppo_cli.engine.data import PromptColumns, read_recipe_prompts  # no torch, and `datasets` only for datasets
 
     which = "eval_prompts" if path is None and recipe.data.eval_prompts else "prompts"
     prompt_set = read_recipe_prompts(recipe.data, which, source=path, field_name=field)
@@ -81,7 +83,7 @@ def command_prompts(path, field, recipe, note: Callable[[str], None]) -> tuple[l
     if prompt_set.skipped_blank:
         n = prompt_set.skipped_blank
         note(f"note: skipped {n} blank line{'s' * (n != 1)} in {path}")
-    return prompt_set.prompts, str(path)
+    return prompt_set.prompts, str(path), PromptColumns([prompt_set])
 
 
 def sampling_settings(recipe, num_samples: int, batch_size: int | None):

@@ -38,11 +38,17 @@ def release(engine) -> None:
 
 
 def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, out: Path,
-        progress: Progress | None = None) -> RolloutResult:
+        progress: Progress | None = None, columns=None) -> RolloutResult:
+    """``columns``: the prompts' other columns (engine/data.PromptColumns): each row keeps its
+    prompt's under "columns", for `ppo score` to give to the rewards that read them."""
     from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.runs import write_jsonl_atomic
 
     engine = load_inference_engine(recipe, model)
     rows = sample_rows(engine, model, prompts, settings, progress=progress)
+    if columns is not None and columns.names:
+        found = columns.columns_for([row["prompt"] for row in rows])
+        for i, row in enumerate(rows):
+            row["columns"] = {name: values[i] for name, values in found.items() if values[i] is not None}
     write_jsonl_atomic(out, rows)
     return RolloutResult(Path(out), len(rows), len(prompts), model.describe())

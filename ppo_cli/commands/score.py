@@ -43,6 +43,9 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
             if not isinstance(row[name], kind) or (kind is int and isinstance(row[name], bool)):
                 raise DataError(f"{path}:{lineno}: '{name}' must be {_KIND_NAMES[kind]}, got {type(row[name]).__name__}")
         prompt_from_value(row["prompt"], "prompt", f"{path}:{lineno}")  # a string or a conversation
+        if not isinstance(row.get("columns", {}), dict):
+            raise DataError(f"{path}:{lineno}: 'columns' must be an object of the prompt row's other fields, "
+                            f"got {type(row['columns']).__name__}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows in this file", hint="write rollouts with `ppo rollout MODEL --out FILE`")
@@ -57,7 +60,12 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     from ppo_cli.runs import write_jsonl_atomic
 
     rows = read_rollouts(rollouts, recipe)
-    scored = score_rows(load_reward_stack(recipe), rows)
+    columns = None
+    if any("columns" in row for row in rows):  # `ppo rollout` kept its prompts' columns: the rewards get those
+        from ppo_cli.engine.data import PromptColumns, PromptSet
+
+        columns = PromptColumns([PromptSet([r["prompt"] for r in rows], columns=[r.get("columns", {}) for r in rows])])
+    scored = score_rows(load_reward_stack(recipe, columns, str(rollouts)), rows)
     write_jsonl_atomic(out, scored)
     names = list(scored[0]["reward_components"])
     components = {name: scored_mean([r["reward_components"][name] for r in scored]) for name in names}

@@ -305,6 +305,11 @@ class PromptColumns:
                 self._ambiguous.add(key)
             self._rows.setdefault(key, row)
 
+    @property
+    def names(self) -> set[str]:
+        """Every column some row has."""
+        return {name for row in self._rows.values() for name in row}
+
     def columns_for(self, prompts: list[Prompt]) -> dict[str, list]:
         """Column name -> (B,) values for ``prompts`` (None where a row lacks the column)."""
         rows = []

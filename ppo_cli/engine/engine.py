@@ -97,10 +97,12 @@ class Engine:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
         return self._generate(prompts, from_generation=False)[0]
 
-    def _generate(self, prompts: list[str], from_generation: bool) -> tuple[Generation, "SampledForward | SamplerLogprobs | None"]:
+    def _generate(self, prompts: list[str], from_generation: bool,
+                  on_finished=None) -> tuple[Generation, "SampledForward | SamplerLogprobs | None"]:
         """generate(); with ``from_generation`` also what its own forward passes computed: the sampled
         tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them.
-        With a separate sampler (vLLM), its log-probs instead."""
+        With a separate sampler (vLLM), its log-probs instead (and ``on_finished`` is not called: the
+        reward requests then go out after sampling)."""
         recipe = self.recipe
         prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, recipe.data, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
@@ -112,14 +114,19 @@ class Engine:
         args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
         if not from_generation:
             with self.autocast():
-                return trim_padding(generate(*args)), None
-        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_reads_policy_hidden)
+                return trim_padding(generate(*args, on_finished)), None
+        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_reads_policy_hidden,
+                                                              on_finished=on_finished)
         generation = trim_padding(generation)
         T = generation.response_ids.shape[1]
         return generation, SampledForward(logprobs[:, :T], hidden[:, :T] if hidden is not None else None)
 
     def decode_responses(self, generation: Generation) -> list[str]:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+
+    def decode_response(self, response_ids: list[int]) -> str:
+        """One response as decode_responses gives it (without the padding after its stop token)."""
+        return self.tokenizer.decode(response_ids, skip_special_tokens=True)
 
     def score(self, prompts: list[str], responses: list[str], generation: Generation,
               shared: SharedForward | None = None, pending=None) -> ScoreResult:
@@ -240,20 +247,31 @@ class Engine:
 
     def collect_rollout(self, prompts: list[str], old_logprobs: bool = True) -> Rollout:
         """``old_logprobs`` False: rollout.logprobs None, left to the update (evaluate_logprobs_and_values)."""
-        started = time.perf_counter()
-        generation, sampled = self._generate(prompts, from_generation=old_logprobs and self.reuses_generation_forward())
-        self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
-        sampler_logprobs = None
-        if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
-            sampler_logprobs, sampled = sampled.logprobs, None
-        responses = self.decode_responses(generation)
-        # Requests to reward servers and judges go out now, so their latency overlaps the forwards below.
-        pending = self.reward.start(prompts, responses)
-        shared = self.shared_reward_forward(prompts, responses, generation)
-        logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
-            generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None,
-            old_logprobs=old_logprobs,
-        )
+        # Requests to reward servers and judges go out as rows finish sampling, and the rest right
+        # after it, so their latency overlaps the decoding and the forwards below.
+        stream = self.reward.stream(prompts, self.decode_response) if self.sampler is None else None
+        pending = None
+        try:
+            started = time.perf_counter()
+            generation, sampled = self._generate(prompts, from_generation=old_logprobs and self.reuses_generation_forward(),
+                                                 on_finished=stream.finished if stream is not None else None)
+            self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
+            sampler_logprobs = None
+            if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
+                sampler_logprobs, sampled = sampled.logprobs, None
+            responses = self.decode_responses(generation)
+            pending = self.reward.start(prompts, responses, stream=stream)
+            shared = self.shared_reward_forward(prompts, responses, generation)
+            logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
+                generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None,
+                old_logprobs=old_logprobs,
+            )
+        except BaseException:
+            if pending is not None:
+                pending.close()
+            elif stream is not None:
+                stream.close()
+            raise
         result = self.score(prompts, responses, generation, shared, pending)
         scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
         scored, failures = None, None

@@ -5,7 +5,8 @@ prompt rows' other dataset columns (e.g. ``answer``) is a keyword list aligned w
 function is given the columns its signature names, or all of them if it takes ``**kwargs``; one that
 takes neither gets ``(prompts, responses)`` as before. ``async def`` functions are awaited, together
 with the recipe's other asynchronous components. A None in what it returns marks a completion it
-could not score: that completion leaves the update and is counted (reward/failed_rate).
+could not score, and so does a NaN or an infinity: that completion leaves the update and is counted
+(reward/failed_rate), as one a reward server failed to score does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -118,17 +120,20 @@ class FunctionScorer:
         if inspect.iscoroutinefunction(self.fn):
             self.ascore = self._ascore
 
+    def check_columns(self, names: set[str], rows: str) -> None:
+        missing = sorted(required_columns(self.fn) - names)
+        if missing:
+            raise RewardFunctionError(
+                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which {rows} do not have",
+                hint="use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)",
+            )
+
     def _arguments(self, prompts: list, responses: list[str], columns: dict[str, list] | None) -> tuple[tuple, dict]:
         """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
         lists of {role, content} for conversations (without data.system_prompt); copies, so the
         function cannot change the rollout's prompts."""
         columns = columns or {}
-        missing = sorted(required_columns(self.fn) - set(columns))
-        if missing:
-            raise RewardFunctionError(
-                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which the prompt rows do not have",
-                hint="use a .jsonl or dataset for data.prompts whose rows carry them (each row's other fields are its columns)",
-            )
+        self.check_columns(set(columns), "the prompt rows")
         chosen = columns if self.columns is None else {k: v for k, v in columns.items() if k in self.columns}
         return (copy.deepcopy(list(prompts)), list(responses)), copy.deepcopy(chosen)
 
@@ -160,9 +165,11 @@ class FunctionScorer:
         if len(values) != count:
             raise RewardFunctionError(f"reward function '{self.spec}' returned {len(values)} values for {count} responses")
         missing = sum(v is None for v in values)
-        if missing:
-            self.failure = f"reward function '{self.spec}' returned None for {missing} of {count} responses"
-        return values
+        not_finite = sum(v is not None and not math.isfinite(v) for v in values)
+        if missing or not_finite:
+            said = " and ".join(f"{what} for {n}" for what, n in (("None", missing), ("NaN or inf", not_finite)) if n)
+            self.failure = f"reward function '{self.spec}' returned {said} of {count} responses"
+        return [v if v is not None and math.isfinite(v) else None for v in values]
 
 
 Scorer = FunctionScorer

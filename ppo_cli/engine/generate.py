@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -92,11 +93,41 @@ def no_checkpointing(model):
 # Set on a model by Distributed.rollout_parameters when its blocks gather in their own forwards.
 DECODE_IN_STEP = "_ppo_cli_decode_in_step"
 
+# Rows whose stop token was just sampled, with their response ids so far (stop token included).
+OnFinished = Callable[[list[int], list[list[int]]], None]
+
+
+def finished_rows_watcher(prompt_width: int, stop_token_id: int, on_finished: OnFinished):
+    """A transformers StoppingCriteria that never stops anything: after each decoding step it hands
+    the rows that have just sampled their stop token to ``on_finished`` (reward requests go out while
+    the other rows are still decoding: engine/reward_stream.py). A finished row is padded from then
+    on, possibly with the stop token itself, so each row is handed over once."""
+    from transformers import StoppingCriteria
+
+    class FinishedRows(StoppingCriteria):
+        def __init__(self):
+            self.done: torch.Tensor | None = None  # (B,) bool
+
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            ended = input_ids[:, -1] == stop_token_id
+            if self.done is None:
+                self.done = torch.zeros_like(ended)
+            new = ended & ~self.done
+            if new.any():  # syncs with the GPU once a step, as transformers' own stop check does
+                self.done |= new
+                rows = new.nonzero().squeeze(-1).tolist()
+                on_finished(rows, input_ids[rows, prompt_width:].tolist())
+            return torch.zeros_like(ended)
+
+    return FinishedRows()
+
 
 # no_grad, not inference_mode: inference tensors could not be fed to the update's autograd later.
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int) -> Generation:
+def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int,
+             on_finished: OnFinished | None = None) -> Generation:
     """Sample one response per prompt row. The global torch RNG drives sampling (seed it first).
+    ``on_finished``: told of each row as soon as its stop token is sampled (finished_rows_watcher).
 
     A collective only inside Distributed.rollout_parameters under FSDP per_block, which marks the
     model: each block all-gathers in its forward, so every process decodes in step until all have
@@ -106,9 +137,14 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
     prompts, or stops earlier) would wait forever."""
     config = sampling_config(gen, stop_token_id, pad_token_id)
     in_step = bool(getattr(model, DECODE_IN_STEP, False))
+    extra = {}
+    if on_finished is not None:
+        from transformers import StoppingCriteriaList
+
+        extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
     with no_checkpointing(model), without_hub_generation_defaults(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
-                             synced_gpus=in_step)
+                             synced_gpus=in_step, **extra)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)
     # generate() stops early when every row is done; pad to a fixed T so shapes never vary.
@@ -154,7 +190,8 @@ class _SampledTokenLogprobs:
 
 @torch.no_grad()
 def generate_with_logprobs(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int,
-                           pad_token_id: int, keep_hidden: bool) -> tuple[Generation, torch.Tensor, torch.Tensor | None]:
+                           pad_token_id: int, keep_hidden: bool,
+                           on_finished: OnFinished | None = None) -> tuple[Generation, torch.Tensor, torch.Tensor | None]:
     """generate(), plus the log-prob (B, T) of every sampled token under the distribution it was
     sampled from, and with ``keep_hidden`` the decoder's last hidden state (B, T, H) that sampled it.
 
@@ -170,7 +207,7 @@ def generate_with_logprobs(model, prompt_ids, prompt_mask, gen: GenerationConfig
     if keep_hidden:
         handles.append(lm.get_decoder().register_forward_hook(lambda module, args, out: hidden_steps.append(out[0][:, -1])))
     try:
-        generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id)
+        generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id, on_finished)
     finally:
         for handle in handles:
             handle.remove()

@@ -15,7 +15,7 @@ import math
 from urllib.parse import urlsplit
 
 from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
-                                   new_client, probe, quote, request_json)
+                                   open_client, probe, quote, request_json)
 from ppo_cli.recipe import SECRET_HEADER, HttpReward
 
 
@@ -42,7 +42,14 @@ class HttpScorer(RemoteScorer):
     def where(self) -> str:
         return self.component.url
 
-    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float | None]:
+    @property
+    def batch_size(self) -> int:
+        return self.component.batch_size
+
+    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list],
+                     limit=None, client=None) -> list[float | None]:
+        """``limit`` and ``client``: a semaphore and an httpx client shared by several calls
+        (engine/reward_stream.py), else max_concurrency and a client of this call's own."""
         c = self.component
         headers = {name: self.secrets.resolve(value, f"reward server {c.url} header '{name}'")
                    for name, value in c.headers.items()}
@@ -56,8 +63,8 @@ class HttpScorer(RemoteScorer):
                     "columns": {name: values[start:end] for name, values in columns.items()}}
             return lambda: self._post(client, headers, body, len(body["responses"]))
 
-        async with new_client() as client:
-            results = await gather_bounded([job(s) for s in starts], self.policy.max_concurrency)
+        async with open_client(client) as client:
+            results = await gather_bounded([job(s) for s in starts], self.policy.max_concurrency if limit is None else limit)
         return self._values(results, [len(responses[start:start + c.batch_size]) for start in starts])
 
     async def _post(self, client, headers: dict, body: dict, size: int) -> list[float | None]:

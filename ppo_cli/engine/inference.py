@@ -55,17 +55,24 @@ def _same_adapter(a: str | None, b: str | None) -> bool:
     return a is None and b is None or a is not None and b is not None and _same_model(a, b)
 
 
-def load_reward_stack(recipe: Recipe) -> RewardStack:
+def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -> RewardStack:
     """The recipe's reward alone (for `ppo score`, and shared by both models in `ppo compare`);
-    its files checked and its servers asked whether they answer first, before anything loads."""
+    its files checked and its servers asked whether they answer first, before anything loads.
+
+    ``columns``: the other columns of the prompts the command was given (engine/data.PromptColumns,
+    read from ``source``), else the recipe's data; a reward function that needs a column they lack is
+    refused here, before any model loads."""
     from ppo_cli.engine.data import recipe_prompt_columns
     from ppo_cli.reward_checks import check_reward_components
 
     check_reward_components(recipe.reward)
     quiet_libraries()
 
-    return RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
-                       lambda: recipe_prompt_columns(recipe.data))
+    stack = RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
+                        columns if columns is not None else lambda: recipe_prompt_columns(recipe.data))
+    if columns is not None:
+        stack.check_columns(columns.names, source or "the prompts")
+    return stack
 
 
 def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:

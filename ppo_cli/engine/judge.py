@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
-                                   new_client, probe, quote, request_json)
+                                   open_client, probe, quote, request_json)
 from ppo_cli.errors import DataError
 from ppo_cli.recipe import JudgeReward
 
@@ -75,15 +75,18 @@ class JudgeScorer(RemoteScorer):
     def where(self) -> str:
         return self.url
 
-    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list]) -> list[float | None]:
+    async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list],
+                     limit=None, client=None) -> list[float | None]:
+        """``limit`` and ``client``: a semaphore and an httpx client shared by several calls
+        (engine/reward_stream.py), else max_concurrency and a client of this call's own."""
         c = self.component
         headers = {}
         if c.api_key_env:
             check_credentials_transport(self.url, c)
             headers["Authorization"] = "Bearer " + self.secrets.key(c.api_key_env, f"judge {c.base_url} (api_key_env)")
-        async with new_client() as client:
+        async with open_client(client) as client:
             jobs = [(lambda p=p, r=r: self._judge(client, headers, p, r)) for p, r in zip(prompts, responses)]
-            results = await gather_bounded(jobs, self.policy.max_concurrency)
+            results = await gather_bounded(jobs, self.policy.max_concurrency if limit is None else limit)
         return self._values(results, [1] * len(results))
 
     async def _judge(self, client, headers: dict, prompt, response: str) -> list[float]:

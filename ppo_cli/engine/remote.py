@@ -156,15 +156,23 @@ async def request_json(client, method: str, url: str, policy: Policy, secrets: S
     raise RemoteFailure(f"{url}: {last}{tries}")
 
 
-async def gather_bounded(jobs: list[Callable[[], Awaitable]], limit: int) -> list:
-    """Run the jobs with at most ``limit`` at once; results (or the exceptions they raised) in order."""
-    semaphore = asyncio.Semaphore(limit)
+async def gather_bounded(jobs: list[Callable[[], Awaitable]], limit: "int | asyncio.Semaphore") -> list:
+    """Run the jobs with at most ``limit`` at once (a semaphore: shared with other calls); results (or
+    the exceptions they raised) in order."""
+    semaphore = limit if isinstance(limit, asyncio.Semaphore) else asyncio.Semaphore(limit)
 
     async def one(job):
         async with semaphore:
             return await job()
 
     return await asyncio.gather(*(one(job) for job in jobs), return_exceptions=True)
+
+
+def open_client(client=None):
+    """``client`` as is (its owner closes it), else a new one for one ``async with``."""
+    import contextlib
+
+    return contextlib.nullcontext(client) if client is not None else new_client()
 
 
 def new_client():
@@ -180,6 +188,7 @@ class RemoteScorer:
     it, the latest failure (for the line that stops a run) and on_failure."""
 
     said_as = "reward server"  # how a failure that stops the run names the component
+    batch_size = 1  # completions per request (http: the recipe's)
 
     def __init__(self, component: "HttpReward | JudgeReward"):
         self.component = component

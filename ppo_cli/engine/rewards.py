@@ -6,7 +6,8 @@ Every component's per-episode value is kept so `ppo score` and the metrics can s
 component may fail to score a completion (a server that timed out, a judge answer with no number, a
 function's None): its value is then None, and so is that completion's total. Components with an
 ``ascore`` coroutine (http, judge, async functions) are awaited together in a thread of their own
-while the others (reward models) score here.
+while the others (reward models) score here; a rollout sends the remote ones' (http, judge) requests
+while it is still sampling (``stream``, engine/reward_stream.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.data import PromptColumns
+from ppo_cli.engine.remote import RemoteScorer
+from ppo_cli.engine.reward_stream import RewardStream
 from ppo_cli.engine.reward_types import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
 
@@ -64,29 +67,53 @@ class RewardStack:
         """The components that may leave an episode without a reward (None), by name."""
         return [name for name, _, scorer in self.scorers if hasattr(scorer, "failure")]
 
+    def check_columns(self, names: set[str], source: str) -> None:
+        """One line naming a reward function that needs a column the rows of ``source`` lack."""
+        for _, _, scorer in self.scorers:
+            if hasattr(scorer, "check_columns"):
+                scorer.check_columns(names, f"the rows of {source}")
+
     def columns_for(self, prompts: list) -> dict[str, list]:
         if callable(self._columns):
             self._columns = self._columns()
         return self._columns.columns_for(prompts) if self._columns is not None else {}
 
-    def start(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> "PendingScores":
-        """Send the asynchronous components' requests now, in a worker thread; ``score(...,
-        pending=)`` collects them. The rollout calls this before its log-prob and value forwards,
-        so a server's or judge's latency overlaps them."""
+    def _prepare(self, prompts: list, columns: dict[str, list] | None) -> dict[str, list]:
+        """The prompts' columns (looked up when a component reads them), every failure of a batch before forgotten."""
         if columns is None and any(getattr(s, "reads_columns", False) for _, _, s in self.scorers):
             columns = self.columns_for(prompts)
-        columns = columns or {}
         for _, _, scorer in self.scorers:
             if hasattr(scorer, "failure"):
                 scorer.failure = None
-        waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore")]
+        return columns or {}
+
+    def stream(self, prompts: list, decode: Callable[[list[int]], str]) -> RewardStream | None:
+        """The remote components' requests for ``prompts``, sent as their rows finish sampling
+        (generate's ``on_finished``: RewardStream.finished); None when the reward has no remote component."""
+        remote = {i: s for i, (_, _, s) in enumerate(self.scorers) if isinstance(s, RemoteScorer)}
+        if not remote:
+            return None
+        return RewardStream(remote, prompts, self._prepare(prompts, None), decode)
+
+    def start(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None,
+              stream: RewardStream | None = None) -> "PendingScores":
+        """Send the asynchronous components' requests now, in a worker thread; ``score(...,
+        pending=)`` collects them. The rollout calls this before its log-prob and value forwards,
+        so a server's or judge's latency overlaps them. ``stream``: the remote components' requests
+        already sent during sampling (``stream``); the rest of them go out now."""
+        columns = stream.columns if stream is not None else self._prepare(prompts, columns)
+        streamed = stream.indices if stream is not None else []
+        if stream is not None:
+            stream.ended(responses)
+        waiting = [i for i, (_, _, s) in enumerate(self.scorers) if hasattr(s, "ascore") and i not in streamed]
 
         async def together():
             return await asyncio.gather(*(self.scorers[i][2].ascore(prompts, responses, columns) for i in waiting),
                                         return_exceptions=True)
 
         pool = ThreadPoolExecutor(max_workers=1) if waiting else None
-        return PendingScores(columns, waiting, pool, pool.submit(asyncio.run, together()) if waiting else None)
+        future = pool.submit(asyncio.run, together()) if waiting else None
+        return PendingScores(columns, waiting + streamed, pool, future, stream, responses)
 
     def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
               known: dict[int, list] | None = None, columns: dict[str, list] | None = None,
@@ -137,18 +164,26 @@ class PendingScores:
     """The asynchronous components' requests for one batch, sent by RewardStack.start."""
 
     columns: dict[str, list]
-    waiting: list[int]  # the components' indices
+    waiting: list[int]  # the components' indices: those awaited in ``future``, then the ``stream``'s
     pool: ThreadPoolExecutor | None
     future: object | None
+    stream: RewardStream | None = None
+    responses: list[str] | None = None  # the batch's texts, as the stream's requests must have them
 
     def results(self) -> list:
         """Each waiting component's values, or the exception it raised (bounded: every request has a timeout)."""
-        if self.future is None:
-            return []
         try:
-            return self.future.result()
+            values = self.future.result() if self.future is not None else []
+            return values + (self.stream.results(self.responses) if self.stream is not None else [])
         finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let go of what is still in flight (the caller failed before collecting)."""
+        if self.pool is not None:
             self.pool.shutdown(wait=False)
+        if self.stream is not None:
+            self.stream.close()
 
 
 def _fill_in(scorer, prompts: list, responses: list[str], known: list | None) -> list:

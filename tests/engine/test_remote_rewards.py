@@ -251,3 +251,14 @@ def test_start_sends_the_requests_before_score_collects_them(server):
         time.sleep(0.01)
     result = stack.score(["p"] * 4, RESPONSES, [True] * 4, [3] * 4, pending=pending)
     assert result.scores == EXPECTED and len(server.requests) == 2
+
+
+def test_a_nan_from_a_function_fails_only_its_completion(tmp_path):
+    path = tmp_path / "fn.py"
+    path.write_text("def reward(prompts, responses):\n"
+                    "    return [float('nan'), 1.0, None, float('inf')][:len(responses)]\n")
+    stack = _stack({"type": "function", "function": f"{path}:reward", "weight": 2.0})
+    result = stack.score(["a"] * 4, ["w", "x", "y", "z"], [True] * 4, [1] * 4)
+    assert result.scores == [None, 2.0, None, None] and result.scored == [False, True, False, False]
+    assert stack.failable == ["reward"]
+    assert result.failures == {"reward": f"reward function '{path}:reward' returned None for 1 and NaN or inf for 2 of 4 responses"}

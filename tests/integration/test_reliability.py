@@ -115,32 +115,36 @@ def test_a_finished_run_says_so_on_resume_and_extends_exactly(tiny_models, tmp_p
     _assert_same_metrics(_metrics(run), uninterrupted)
 
 
-def test_nan_rewards_are_skipped_then_the_run_stops_with_a_diagnostic(tiny_models, tmp_path):
-    reward = tmp_path / "nan_after_three.py"
+def test_nan_rewards_leave_their_completions_then_the_run_stops_with_a_diagnostic(tiny_models, tmp_path):
+    reward = tmp_path / "nan_after_two.py"
     reward.write_text(
         "calls = 0\n"
         "def reward(prompts, responses):\n"
         "    global calls\n"
         "    calls += 1\n"
+        "    if calls == 3:  # one NaN: that completion leaves the update, the others train\n"
+        "        return [float('nan')] + [1.0] * (len(responses) - 1)\n"
         "    return [float('nan') if calls > 3 else 1.0 for _ in responses]\n"
     )
     run = tmp_path / "tiny-sentiment"
     result = subprocess.run(
         _cmd(tiny_models, tmp_path, **{
             "reward.components": "[{type: function, function: '%s:reward'}]" % reward,
-            "train.save_every": 1, "train.max_consecutive_skips": 2, "train.total_updates": 10,
+            "train.save_every": 1, "train.total_updates": 10,
         }),
         env=_env(), capture_output=True, text=True,
     )
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[-2] == "error: stopped at update 5: 2 updates in a row skipped for non-finite rewards"
-    assert lines[-1].startswith("hint: likely cause: the reward returned NaN or inf")
+    n = SMALL["ppo.rollout_batch_size"]
+    assert lines[-2] == (f"error: update 4: no completion got a reward: reward function '{reward}:reward' returned "
+                         f"NaN or inf for {n} of {n} responses")
+    assert lines[-1].startswith("hint: the checkpoints written so far are intact")
     assert "Traceback" not in result.stderr
     metrics = _metrics(run)
-    assert [m["skipped"] for m in metrics] == [0, 0, 0, 1, 1]
-    assert metrics[3]["skip_reason"] == "non-finite rewards"
-    # The last good checkpoints are intact and loadable; the skipped updates wrote none.
+    assert [m["skipped"] for m in metrics] == [0, 0, 0]
+    assert [m["reward/failed_rate"] for m in metrics] == [0.0, 0.0, pytest.approx(1 / n)]
+    # The last good checkpoint is intact and loadable; the stopped update wrote none.
     from ppo_cli.checkpoint import latest_checkpoint, verify_manifest
 
     latest = latest_checkpoint(run / "checkpoints")

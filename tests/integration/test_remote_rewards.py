@@ -135,3 +135,29 @@ def test_math_recipe_scores_with_the_rows_reference_answers(tiny_models, tmp_pat
     metrics = _metrics(tmp_path / "tiny-math")
     assert [m["reward/failed_rate"] for m in metrics] == [0.0, 0.0]  # every row has its answer
     assert all(m["reward/reward"] in (0.0, 1.0) or 0 < m["reward/reward"] < 1 for m in metrics)
+
+
+def test_eval_and_rollout_then_score_give_rewards_the_columns_of_their_prompts_file(tiny_models, tmp_path):
+    reward = tmp_path / "answer_reward.py"
+    reward.write_text("def reward(prompts, responses, answer):\n    return [float(a) for a in answer]\n")
+    other = tmp_path / "other.jsonl"  # not the recipe's data: its rows' answers are what the reward must get
+    other.write_text('{"prompt": "The film was", "answer": "1"}\n{"prompt": "The food was", "answer": "5"}\n')
+    sets = {"policy.path": tiny_models / "policy", "output_dir": tmp_path, "data.prompts": ROOT / "recipes/data/tiny_math.jsonl",
+            "data.eval_prompts": "null", "generation.max_new_tokens": 4,
+            "reward.components": json.dumps([{"type": "function", "function": f"{reward}:reward"}])}
+    common = ["--recipe", str(FUNCTION_RECIPE), *(arg for k, v in sets.items() for arg in ("--set", f"{k}={v}"))]
+    model = str(tiny_models / "policy")
+
+    def ppo(*args):
+        result = subprocess.run([sys.executable, "-m", "ppo_cli", *args], env=_env(), capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+
+    ppo("eval", model, "--prompts", str(other), "--out", str(tmp_path / "eval.json"), *common)
+    assert json.loads((tmp_path / "eval.json").read_text())["reward_components"]["reward"] == 3.0
+    ppo("rollout", model, "--prompts", str(other), "--out", str(tmp_path / "rollouts.jsonl"), *common)
+    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["columns"] for r in rows] == [{"answer": "1"}, {"answer": "5"}]
+    ppo("score", str(tmp_path / "rollouts.jsonl"), "--out", str(tmp_path / "scored.jsonl"), *common)
+    scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [r["reward_components"]["reward"] for r in scored] == [1.0, 5.0]
