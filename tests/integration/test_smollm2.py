@@ -115,6 +115,10 @@ def short_run(smollm2, tmp_path_factory):
     train = subprocess.run([sys.executable, "-m", "ppo_cli", "train", str(RECIPE), *args], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    # The plan of the run as it ran: `auto` made concrete by the run's own probe, which the plan's
+    # probe, timed apart on a busy machine, may decide the other way.
+    resolved = json.loads((out / "short" / "summary.json").read_text())["mixed_precision"]
+    args += ["--set", f"train.mixed_precision={resolved}"]
     plan = subprocess.run([sys.executable, "-m", "ppo_cli", "plan", str(RECIPE), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr[-3000:]
@@ -153,8 +157,8 @@ def test_final_loads_with_peft_on_the_gguf_base_and_generates(smollm2, short_run
 
 
 def test_plan_is_within_a_quarter_of_the_measured_peak(short_run):
-    """With torch's default threads (as CI runs it). With train.num_threads=1 on a busy machine the
-    5-update run peaked lower, at 3.81 GB, 27% under the plan's 4.85."""
+    """Measured on an idle AMD EPYC (2 cores): bf16 3.43 GB against a plan of 3.64, fp32 5.37 against
+    6.19."""
     run, plan_output = short_run
     planned = float(re.search(r"peak = .* = ([\d.]+) GB", plan_output).group(1))
     measured = json.loads((run / "summary.json").read_text())["peak_memory_gb"]
