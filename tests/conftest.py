@@ -122,7 +122,11 @@ def sft_adapter(tiny_models, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_models / "policy", dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    # peft draws lora_A from the global generator: seeded here, the adapter is the same whichever
+    # tests ran before the fixture was first asked for.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
