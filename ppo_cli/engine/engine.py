@@ -224,9 +224,8 @@ class Engine:
         from ppo_cli.engine.precision import AUTOCAST_DTYPES
 
         policy = self.actor_critic.policy
-        if self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler is not None:
-            return 0
-        if is_quantized(policy):
+        if (self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler is not None
+                or is_quantized(policy)):
             return 0
         return store_frozen_linears_in(policy, AUTOCAST_DTYPES[self.mixed_precision])
 
