@@ -34,6 +34,7 @@ from ppo_cli.engine.actor_critic import PolicyAndValue
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.engine import Engine
+from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
 from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flops
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
@@ -451,7 +452,9 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     enter_phase("rollout")
     prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
     deferred = defer_old_logprobs(recipe.ppo, engine, len(prompts))
-    with memory_phase("sampling and scoring the rollout"), dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
+    peaks: dict[str, float] = {}  # CUDA only: what each phase held at most, to set against `ppo plan`
+    with (memory_phase("sampling and scoring the rollout"), phase_peak(dist.device, peaks, "memory/rollout_peak_gb"),
+          dist.rollout_parameters(state.model, recipe.train.fsdp_rollout)):
         rollout = engine.collect_rollout(prompts, old_logprobs=not deferred)
     rollout_seconds = time.perf_counter() - started
     rollout = check_rewards(rollout, state, G)
@@ -463,7 +466,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     if dist.any(skip_reason is not None):  # every process must skip together
         skip_reason = skip_reason or "non-finite numbers on another process"
     enter_phase("update")
-    with memory_phase("updating the policy and critic"):
+    with memory_phase("updating the policy and critic"), phase_peak(dist.device, peaks, "memory/update_peak_gb"):
         stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
@@ -505,6 +508,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         "time/step_cpu_s": time.process_time() - cpu_started,
         "tokens_per_s": generated_tokens / seconds,
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
+        **peaks,
     })
     return metrics, rollout
 

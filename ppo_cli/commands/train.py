@@ -55,8 +55,10 @@ def peak_memory_gb() -> float:
     """Peak resident memory of this process (CPU) or peak allocated CUDA memory, in GB."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
-        return torch.cuda.max_memory_allocated() / 1e9
+    from ppo_cli.memory_peaks import run_peak_bytes
+
+    if torch.cuda.is_available() and run_peak_bytes() > 0:
+        return run_peak_bytes() / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
@@ -195,13 +197,14 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
 
 
 def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
-            full_state: dict | None = None) -> dict:
+            full_state: dict | None = None, phase_peaks: dict[str, float] | None = None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
     weights under FSDP, see save_policy_and_value)."""
     import torch
 
     from ppo_cli.checkpoint import save_final
     from ppo_cli.engine.models import resolve_dtype
+    from ppo_cli.memory_peaks import phase_peak
     from ppo_cli.model_card import render_model_card
     from ppo_cli.runs import atomic_write_text
 
@@ -216,8 +219,10 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
     }
     card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])
     merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
-    save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card,
-               full_state=full_state)
+    phase_peaks = {} if phase_peaks is None else phase_peaks
+    with phase_peak(state.dist.device, phase_peaks, "saving"):
+        save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card,
+                   full_state=full_state)
     if before is not None:
         atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
     summary = {
@@ -227,6 +232,8 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
         "mixed_precision_choice": precision_record(state.dist.precision),
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
+    if phase_peaks:  # CUDA: which phase set the peak (the updates' own are in metrics.jsonl, memory/*)
+        summary["peak_memory_gb_by_phase"] = {k: round(v, 3) for k, v in phase_peaks.items()}
     if observer is not None:
         summary.update(observer.finish(summary))  # learning-curve plot, warnings, files
     atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
@@ -319,6 +326,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.evaluation import held_out
+    from ppo_cli.memory_peaks import phase_peak
     from ppo_cli.resource_errors import OutOfMemory
     from ppo_cli.resource_errors import phase as memory_phase
     from ppo_cli.resume import truncate_jsonl
@@ -331,10 +339,11 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     torch.manual_seed(recipe.seed)
 
     started = time.perf_counter()
+    phase_peaks: dict[str, float] = {}  # CUDA only: the most memory each phase outside the updates held
     if dist.is_main:
         show("loading", {"name": recipe.name, "precision": dist.precision.describe()})
     try:
-        with memory_phase("loading the models"):
+        with memory_phase("loading the models"), phase_peak(dist.device, phase_peaks, "loading"):
             engine = load_engine(recipe, dist.device, dist.mixed_precision)
         if checkpoint is not None:  # before accelerate prepares the models: FSDP shards the loaded weights
             load_policy_and_value(engine.actor_critic, checkpoint)
@@ -350,7 +359,8 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
             show("resumed", {"checkpoint": str(checkpoint), "step": state.step})
     try:
         enter_phase("evaluation")
-        with _gathered_for_evaluation(dist, state.model, eval_prompts):
+        with (_gathered_for_evaluation(dist, state.model, eval_prompts),
+              phase_peak(dist.device, phase_peaks, "evaluation before")):
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path, show)
@@ -362,13 +372,13 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         raise
 
     enter_phase("evaluation")
-    with _gathered_for_evaluation(dist, state.model, eval_prompts):
+    with _gathered_for_evaluation(dist, state.model, eval_prompts), phase_peak(dist.device, phase_peaks, "evaluation after"):
         after = held_out(engine, eval_prompts, recipe.seed, dist) if eval_prompts else None
     enter_phase("checkpoint")
     full_state = gathered_model_state(state)  # FSDP: what trains, whole, gathered by every process
     # FSDP: final/ is written from full_state (--merge reloads the base from disk), so the sharded
     # weights need no gathering; ZeRO-3 saves from the modules, gathered here by every process.
     with contextlib.nullcontext() if dist.shards_parameters else dist.full_parameters(state.model):
-        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state) if dist.is_main else {}
+        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state, phase_peaks) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
