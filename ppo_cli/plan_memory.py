@@ -13,7 +13,10 @@ The rest is arithmetic on the recipe:
                  micro_batch_size x (prompt + response) tokens; measured per token and layer for
                  Llama/Qwen-style decoders with SDPA attention (benchmarks/bench_vs_trl.py plan-check):
                  10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
-                 logits of the response positions (three float32 copies: logits, scaled, gradient);
+                 logits of the response positions (four float32 copies: the logits and the gradients
+                 through the log-softmax; seven with an entropy bonus); a half-precision base under
+                 float32 LoRA adapters adds peft's float32 copy of each adapted layer's input
+                 (both measured on an H200: benchmarks/gpu_check.py);
                  with train.mixed_precision bf16/fp16 activations take 2 B a value, and
                  a full fine-tune keeps a half-precision copy of its weights for the update (autocast)
     rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
@@ -76,15 +79,15 @@ class ModelShape:
         """Weights of the backbone's linear layers (biases excluded: bitsandbytes keeps them)."""
         return sum(l.in_features * l.out_features for l in self.linears)
 
-    def lora_params(self, lora: LoraConfig | None) -> int:
+    def adapted(self, lora: LoraConfig | None) -> list[Linear]:
+        """The linear layers LoRA adapts."""
         if lora is None:
-            return 0
+            return []
         targets = None if lora.target_modules == "all-linear" else set(lora.target_modules)
-        return sum(
-            lora.r * (l.in_features + l.out_features)
-            for l in self.linears
-            if targets is None or l.name.rsplit(".", 1)[-1] in targets or l.name in targets
-        )
+        return [l for l in self.linears if targets is None or l.name.rsplit(".", 1)[-1] in targets or l.name in targets]
+
+    def lora_params(self, lora: LoraConfig | None) -> int:
+        return sum(lora.r * (l.in_features + l.out_features) for l in self.adapted(lora))
 
     def weight_bytes(self, dtype: str, quantization: str = "none", other_dtype_bytes: float | None = None) -> float:
         """Bytes of the weights: the linear layers quantized (or not), everything else in ``dtype``
@@ -177,6 +180,7 @@ class Settings:
     sharding: str = "none"  # none (DDP) | zero2 | zero3 | fsdp (full shard): what is split across processes
     mixed_precision: str = "no"  # train.mixed_precision resolved: bf16/fp16 autocast computes activations in 2 B
     fsdp_per_block: bool = False  # FSDP never gathers the whole policy: rollout per block, no evaluation
+    entropy_bonus: bool = False  # ppo.entropy_coef > 0: the entropy's softmax is kept for the backward
 
 
 @dataclass
@@ -262,10 +266,22 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         # autocast caches the half-precision copy of each trainable weight for the forward and backward
         update.append(Line("policy", "autocast weight copies (update)", policy.linear_params * 2 / GB,
                            f"{policy.linear_params / 1e6:.1f}M linear weights x 2 B ({s.mixed_precision})", "update"))
+    if lora is not None and s.mixed_precision == "no" and b[s.dtype] < 4:
+        # peft keeps the adapters in float32 and casts each adapted layer's half-precision input up to
+        # them: a float32 copy per adapted layer (q, k and v each their own), kept for the backward
+        per_layer = sum(l.in_features for l in policy.adapted(lora)) / policy.layers
+        layers = 1 if s.gradient_checkpointing else policy.layers
+        update.append(Line("policy", "LoRA input casts (update)", B * L * layers * per_layer * 4 / GB,
+                           f"{B} x {L} tokens x {layers} layers x {per_layer:,.0f} adapted inputs x 4 B (float32 "
+                           "adapters)", "update"))
     update += critic.update
-    logits = 3 * B * T * policy.vocab * 4
+    # Alive at the backward's peak: the float32 logits and three gradients through the log-softmax; an
+    # entropy bonus adds its softmax and three more gradients (the allocator's history of a 1.5B update
+    # on an H200: 4 copies without, 7 with; the graph, so the count, is the same on a CPU).
+    copies = 7 if s.entropy_bonus else 4
+    logits = copies * B * T * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
-                       f"3 x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
+                       f"{copies} x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: SmolLM2-135M (vocab 49152, logits 0.45 GB) peaked at 3.43 GB against a
@@ -454,6 +470,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,
         mixed_precision=mixed_precision,
+        entropy_bonus=recipe.ppo.entropy_coef > 0,
         # Evaluation gathers the whole policy on every process.
         fsdp_per_block=recipe.train.fsdp_rollout == "per_block" and not recipe.data.eval_prompts,
         value_shared=frozen and any(
