@@ -127,6 +127,8 @@ def _timed_train(path: Path) -> dict:
     return {"impl": "ours", "command": f"ppo train {path} --overwrite", "seconds_per_update": wall,
             "cpu_seconds_per_update": cpu, "scores": [m["objective/scores"] for m in metrics],
             "kl": [m["objective/kl"] for m in metrics],
+            "rollout_seconds": [m["time/rollout_s"] for m in metrics],
+            "memory_peaks_gb": [{k: v for k, v in m.items() if k.startswith("memory/")} for m in metrics],
             "frac_reward_zero_std": [m.get("frac_reward_zero_std") for m in metrics],
             "wall_s": time.perf_counter() - started, "run_dir": str(result.run_dir)}
 
@@ -194,7 +196,8 @@ def run_trl_grpo(cfg: dict, tag: str) -> dict:
                "--lora", "--updates", str(cfg["updates"]), "--prompts-per-update", str(EPISODES // G),
                "--num-generations", str(G), "--epochs", str(cfg["epochs"]), "--response-length", str(cfg["response_length"]),
                "--temperature", str(cfg["temperature"]), "--kl-coef", str(cfg["kl_coef"]), "--lr", str(cfg["lr"]),
-               "--seed", str(cfg["seed"]), "--threads", str(cfg["threads"]), "--out", str(out)]
+               "--seed", str(cfg["seed"]), "--threads", str(cfg["threads"]), "--device", cfg.get("device", "cpu"),
+               "--out", str(out)]
     if cfg["missing_eos_penalty"] is not None:
         command += ["--missing-eos-penalty", str(cfg["missing_eos_penalty"])]
     if cfg["precision"] == "native":
@@ -210,14 +213,15 @@ def cmd_trl(args) -> None:
     shape = resolve_shape(args.shape)
     for round_ in range(args.rounds):
         cfg = arm_config("grpo", round_, args.updates, args.group, shape)
-        cfg.update(threads=args.threads, precision=args.precision)
+        cfg.update(threads=args.threads, precision=args.precision, device=args.device)
         for impl in (("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")):
-            tag = f"est-trl-{shape}-{args.precision}-{impl}-r{round_}"
+            tag = f"est-trl-{shape}-{args.precision}-{args.device}-{impl}-r{round_}"
             print(f"[round {round_}] {impl} (load {bench.load_average():.2f})", flush=True)
             if impl == "trl":
                 bench.record(run_trl_grpo(cfg, tag), cfg, "estimator-trl", TRL)
             else:
                 share = bench.CACHE / "recipes" / f"{tag}.json"
+                share.parent.mkdir(parents=True, exist_ok=True)
                 share.write_text(json.dumps([cfg, tag, str(TRL)]))
                 subprocess.run([sys.executable, __file__, "single", str(share)], env=bench.env(), cwd=ROOT, check=True,
                                stdout=subprocess.DEVNULL)
@@ -226,7 +230,8 @@ def cmd_trl(args) -> None:
 def trl_report(warmup: int = 1) -> None:
     by_impl: dict[tuple[str, str], list[dict]] = {}
     for r in bench._load(TRL):
-        by_impl.setdefault((f"{r['cfg']['shape']}, {r['cfg']['precision']}", r["impl"]), []).append(r)
+        key = f"{r['cfg']['shape']}, {r['cfg']['precision']}" + (", cuda" if r["cfg"].get("device") == "cuda" else "")
+        by_impl.setdefault((key, r["impl"]), []).append(r)
     for shape in sorted({s for s, _ in by_impl}):
         print(f"\nppo_cli grpo against TRL GRPOTrainer, shape and precision {shape} (median s/update after {warmup} "
               "warm-up update, contended: read the ratio):\n")
@@ -349,6 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--precision", choices=("fp32", "native"), default="fp32",
                    help="native: each tool's defaults (ours mixed_precision auto; TRL bf16 + gradient checkpointing)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: both tools on the GPU, peak memory as torch.cuda.max_memory_allocated")
     p = sub.add_parser("single")
     p.add_argument("share", help="a JSON [cfg, tag] written by memory")
     p = sub.add_parser("report")

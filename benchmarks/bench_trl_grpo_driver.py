@@ -46,6 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--defaults", action="store_true",
                     help="TRL's own precision defaults (GRPOConfig: bf16 on, gradient checkpointing on) instead of fp32")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the policy (TRL's accelerator) and the reward model on the GPU; peak memory is then "
+                         "torch.cuda.max_memory_allocated, as ppo_cli's")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -90,13 +93,13 @@ def main(argv=None) -> int:
 
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1, dtype=torch.float32)
     reward_model.config.pad_token_id = tokenizer.pad_token_id
-    reward_model.requires_grad_(False).eval()
+    reward_model.requires_grad_(False).eval().to(args.device)
     reward_tokenizer = AutoTokenizer.from_pretrained(args.reward)
     eos = tokenizer.eos_token_id
 
     @torch.no_grad()
     def reward(prompts, completions, completion_ids, **kwargs):
-        batch = reward_tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True)
+        batch = reward_tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True).to(args.device)
         scores = reward_model(**batch).logits[:, 0].tolist()
         penalty = args.missing_eos_penalty or 0.0
         return [s - (penalty if eos not in ids else 0.0) for s, ids in zip(scores, completion_ids)]
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
         logging_steps=1,
         disable_tqdm=True,
         seed=args.seed,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         dataloader_num_workers=0,
         log_completions=False,
     )
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
         "seconds_per_update": per_update,
         "cpu_seconds_per_update": cpu_per_update,
         "scores": record["rewards"],  # the mean reward of each generation
-        "peak_memory_gb": peak_rss_gb(),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else peak_rss_gb(),
         "total_s": time.perf_counter() - started,
     }
     Path(args.out).write_text(json.dumps(result))

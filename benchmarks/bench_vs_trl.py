@@ -227,7 +227,7 @@ def bench_config(args, **override) -> dict:
         shape=args.shape, lora=True, updates=args.updates, batch=8, mini_batches=1, micro_batch=8, epochs=4,
         response_length=24, temperature=1.0, kl_coef=0.05, lr=None, missing_eos_penalty=None, seed=0,
         threads=getattr(args, "threads", 2),
-        value_kind="head", rollout_logprobs="generation", precision="fp32",
+        value_kind="head", rollout_logprobs="generation", precision="fp32", device="cpu",
     )
     cfg.update(override)
     if cfg["lr"] is None:
@@ -264,7 +264,7 @@ def ours_recipe(cfg: dict, name: str, extra: dict | None = None) -> dict:
                 "gae_lambda": 0.95, "whiten_advantages": True, "whiten_rewards": False,
                 "rollout_logprobs": cfg["rollout_logprobs"]},
         "optim": {"lr": cfg["lr"], "max_grad_norm": None, "scheduler": "constant"},  # TRL never clips
-        "train": {"total_updates": cfg["updates"], "sample_every": 0, "device": "cpu", "num_threads": cfg["threads"],
+        "train": {"total_updates": cfg["updates"], "sample_every": 0, "device": cfg.get("device", "cpu"), "num_threads": cfg["threads"],
                   "mixed_precision": "no" if cfg.get("precision", "fp32") == "fp32" else "auto"},
     }
     for key, value in (extra or {}).items():  # dotted keys, e.g. {"reference.quantization": "4bit"}

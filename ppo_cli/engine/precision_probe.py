@@ -57,9 +57,13 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> Machine:
 
 
 def machine_record() -> dict:
-    """What the benchmark scripts record beside every speed figure: the CPU, its bf16/AMX flags, cores, torch."""
+    """What the benchmark scripts record beside every speed figure: the CPU, its bf16/AMX flags, cores, torch
+    and the GPU where there is one."""
     here = machine()
-    return {"cpu": here.cpu, "cpu_flags": list(here.flags), "cores": os.cpu_count(), "torch": torch.__version__}
+    record = {"cpu": here.cpu, "cpu_flags": list(here.flags), "cores": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():  # a GPU figure names its card
+        record["gpu"] = torch.cuda.get_device_name(0)
+    return record
 
 
 @dataclass(frozen=True)
