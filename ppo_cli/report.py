@@ -132,6 +132,12 @@ def _warnings_block(warnings: list[dict]):
     return table
 
 
+def _peak_phase(summary: dict) -> str:
+    """' (in the update)': the phase that held the most, where it was measured (CUDA)."""
+    by_phase = summary.get("peak_memory_gb_by_phase")
+    return f" (in the {max(by_phase, key=by_phase.get)})" if by_phase else ""
+
+
 def print_train_summary(summary: dict) -> None:
     """The end of `ppo train`: held-out before/after, time and throughput, warnings, files."""
     from rich.console import Group
@@ -140,7 +146,7 @@ def print_train_summary(summary: dict) -> None:
     episodes_per_s = summary.get("episodes_per_s", summary["episodes"] / max(summary["seconds"], 1e-9))
     throughput = Text(
         f"{summary['updates']} update{'s' * (summary['updates'] != 1)} · {summary['episodes']} episodes in {_duration(summary['seconds'])} · "
-        f"{episodes_per_s:.2f} episodes/s · peak memory {summary['peak_memory_gb']:.2f} GB"
+        f"{episodes_per_s:.2f} episodes/s · peak memory {summary['peak_memory_gb']:.2f} GB{_peak_phase(summary)}"
     )
     files = Table(show_header=False, box=None, pad_edge=False, title="files", title_justify="left", title_style="bold")
     files.add_column(style="dim", no_wrap=True)

@@ -409,6 +409,7 @@ class TrainState:
     consecutive_skips: int = 0
     last_skip_reason: str | None = None
     sizes: ModelSizes | None = None  # parameter counts for perf/mfu_* (counted before FSDP shards them)
+    memory_peaks: dict[str, float] = field(default_factory=dict)  # CUDA: "rollout"/"update" -> most GB this run
 
 
 def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = None) -> TrainState:
@@ -510,6 +511,9 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
         **peaks,
     })
+    for key, gb in peaks.items():
+        phase = key.removeprefix("memory/").removesuffix("_peak_gb")
+        state.memory_peaks[phase] = max(state.memory_peaks.get(phase, 0.0), gb)
     return metrics, rollout
 
 

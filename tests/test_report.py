@@ -52,3 +52,20 @@ def test_train_screen_draws_what_a_run_shows_as_plain_lines_off_a_terminal(monke
         "resumed from runs/demo/checkpoints/step-000001 at update 1",
     ]
     assert screen.progress is None  # "end" closed the bar
+
+
+def train_summary(**extra) -> dict:
+    return {"updates": 3, "episodes": 24, "seconds": 12.0, "peak_memory_gb": 5.81, "run_dir": "runs/x", "final_dir": "runs/x/final",
+            "before": None, "after": None, **extra}
+
+
+def test_train_summary_names_the_phase_that_set_the_peak_where_it_was_measured():
+    def printed_words(summary):  # the panel wraps its lines at the console's width
+        with report.console.capture() as capture:
+            report.print_train_summary(summary)
+        return " ".join(word for word in capture.get().split() if word not in "│╭╮╰╯─")
+
+    by_phase = {"loading": 3.29, "evaluation before": 3.71, "rollout": 3.89, "update": 5.81, "saving": 3.5}
+    assert "peak memory 5.81 GB (in the update)" in printed_words(train_summary(peak_memory_gb_by_phase=by_phase))
+    words = printed_words(train_summary())  # on a CPU: not measured by phase
+    assert "peak memory 5.81 GB" in words and "(in the" not in words

@@ -232,8 +232,9 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
         "mixed_precision_choice": precision_record(state.dist.precision),
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
-    if phase_peaks:  # CUDA: which phase set the peak (the updates' own are in metrics.jsonl, memory/*)
-        summary["peak_memory_gb_by_phase"] = {k: round(v, 3) for k, v in phase_peaks.items()}
+    by_phase = {**phase_peaks, **state.memory_peaks}  # CUDA only: which phase set the peak
+    if by_phase:
+        summary["peak_memory_gb_by_phase"] = {k: round(v, 3) for k, v in by_phase.items()}
     if observer is not None:
         summary.update(observer.finish(summary))  # learning-curve plot, warnings, files
     atomic_write_text(run_dir.summary, json.dumps(summary, indent=2))
