@@ -263,7 +263,8 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed. D
 NumSamplesOpt = Annotated[int, typer.Option("--num-samples", min=1, help="Responses per prompt.")]
 BatchSizeOpt = Annotated[
     Optional[int],
-    typer.Option("--batch-size", min=1, help="Prompts per generation batch. Default: the recipe's ppo.rollout_batch_size.", show_default=False),
+    typer.Option("--batch-size", min=1, help="Prompts per generation batch; it changes the sampled responses. Default: the recipe's "
+                 "ppo.rollout_batch_size, as `ppo train` samples its held-out prompts.", show_default=False),
 ]
 
 

@@ -4,8 +4,11 @@
 
 Same model, prompts, seed and settings -> the same responses: prompts repeated ``num_samples`` times,
 split into batches of ``batch_size``, torch seeded once with ``seed`` before the first batch (the
-caller's random state is left as it was). Scoring all rows in one RewardStack.score call makes
-rollout -> score give the numbers eval gives.
+caller's random state is left as it was). The batch size is part of what is sampled: it sets the
+padding and how many random numbers each sampling step draws, so batches of 4 and of 12 give different
+responses from the same seed. Every path therefore defaults to one rule (``recipe_sampling``: batches of
+ppo.rollout_batch_size), and `ppo compare`'s base row is what `ppo train` measured before training.
+Scoring all rows in one RewardStack.score call makes rollout -> score give the numbers eval gives.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ class SamplingSettings:
     seed: int
     num_samples: int = 1  # responses per prompt
     batch_size: int = 16  # prompts per generate() call
+
+
+def recipe_sampling(recipe: Recipe, seed: int, num_samples: int = 1, batch_size: int | None = None) -> SamplingSettings:
+    """Sampling settings for ``recipe``: ``batch_size`` rows per generate() call, by default the recipe's
+    ppo.rollout_batch_size; `ppo train`'s held-out evaluation and `ppo rollout / eval / compare` all
+    take it from here, so the same seed and prompts give them the same responses."""
+    return SamplingSettings(seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
 
 
 def generation_settings(recipe: Recipe) -> dict:
@@ -155,13 +165,14 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
     (summed over each response) on the held-out prompts, one response each, sampled with a fixed seed
     and scored by the training engine's reward, as `ppo eval` samples and scores.
 
-    Collective with ``dist``: every process samples its share of the prompts (share_of) in one batch
-    with the seed plus its rank, so one process computes exactly what it always did; the main process
+    Collective with ``dist``: every process samples its share of the prompts (share_of) in batches of
+    ppo.rollout_batch_size with the seed plus its rank, so one process samples exactly what `ppo eval` and
+    `ppo compare` sample from the same model with the recipe's seed (their default batch size); the main process
     gets every prompt's result in the prompts' order, the others None. Under FSDP or ZeRO-3 call it
     inside ``dist.full_parameters``: generation then needs no communication."""
     rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     share = share_of(prompts, rank, world_size)
-    settings = SamplingSettings(seed + rank, num_samples=1, batch_size=max(len(share), 1))
+    settings = recipe_sampling(engine.recipe, seed + rank)
     failures: list[str] = []  # a share without any reward must not stop one process alone: decided after the gather
     rows = score_rows(engine.reward, sample_rows(engine, None, share, settings, with_kl=True), failures)
     if world_size > 1:

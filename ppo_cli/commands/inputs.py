@@ -87,9 +87,9 @@ def command_prompts(path, field, recipe, note: Callable[[str], None]):
 
 
 def sampling_settings(recipe, num_samples: int, batch_size: int | None):
-    from ppo_cli.evaluation import SamplingSettings
+    from ppo_cli.evaluation import recipe_sampling
 
-    return SamplingSettings(recipe.seed, num_samples, batch_size or recipe.ppo.rollout_batch_size)
+    return recipe_sampling(recipe, recipe.seed, num_samples, batch_size)
 
 
 def slug(reference: str) -> str:

@@ -1,0 +1,49 @@
+"""`ppo train`'s held-out evaluation samples with the settings `ppo eval` and `ppo compare` use by
+default: same seed, same batches (the batch size changes the sampled responses)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ppo_cli import evaluation
+from ppo_cli.commands.inputs import sampling_settings
+from ppo_cli.evaluation import SamplingSettings, held_out
+from ppo_cli.recipe_loading import load_recipe
+from tests.conftest import ROOT
+
+PROMPTS = [f"question {i}" for i in range(12)]
+
+
+class Sampled(Exception):
+    pass
+
+
+@pytest.fixture
+def settings_of_held_out(monkeypatch):
+    """held_out's SamplingSettings for (recipe, seed, dist), caught where it samples."""
+    def sample_rows(engine, model, prompts, settings, **_):
+        raise Sampled(prompts, settings)
+
+    monkeypatch.setattr(evaluation, "sample_rows", sample_rows)
+
+    def run(recipe, seed, dist=None):
+        with pytest.raises(Sampled) as caught:
+            held_out(SimpleNamespace(recipe=recipe, reward=None), PROMPTS, seed, dist)
+        return caught.value.args
+
+    return run
+
+
+def test_held_out_samples_in_the_batches_eval_and_compare_use(settings_of_held_out):
+    recipe = load_recipe(ROOT / "recipes/smollm2_concise_grpo.yaml", [])
+    prompts, settings = settings_of_held_out(recipe, recipe.seed)
+    assert prompts == PROMPTS
+    assert settings == sampling_settings(recipe, 1, None) == SamplingSettings(0, num_samples=1, batch_size=4)
+
+
+def test_each_process_samples_its_share_with_seed_plus_rank_in_the_same_batches(settings_of_held_out):
+    recipe = load_recipe(ROOT / "recipes/smollm2_concise_grpo.yaml", ["seed=7"])
+    dist = SimpleNamespace(rank=1, world_size=2)
+    prompts, settings = settings_of_held_out(recipe, recipe.seed, dist)
+    assert prompts == PROMPTS[6:]
+    assert settings == SamplingSettings(8, num_samples=1, batch_size=4)
