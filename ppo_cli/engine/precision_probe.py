@@ -4,7 +4,18 @@ Whether bf16 autocast is faster on a CPU is not a property of its flags: an AMD 
 ran a 0.5B-shape PPO update 1.67x faster in bf16, an Intel Xeon with AVX512-BF16 (no AMX) 1.68x
 slower. So ``train.mixed_precision: auto`` asks the machine: this module measures, ``precision.py``
 decides. The answer is cached in a small JSON file keyed by everything it depends on (CPU model and
-its bf16/AMX flags, torch version, thread count, the layer shapes), so a machine probes each shape once.
+its bf16/AMX flags, torch version, thread count, the layer shapes, the probe's version), so a machine
+probes each shape once.
+
+A probe on a busy machine measures the load, not the CPU: with as many torch threads as cores and
+another process on one of them, each parallel matmul can wait a whole scheduler time slice for its
+descheduled thread. Measured on a 2-core AMD EPYC with a busy loop beside it, best-of-5 timings of the
+same Linear came out at 0.12 ms or at 24 ms, at random, for either dtype; the old probe, which ran all
+float32 repeats before all bf16 ones, cached fp32 44 ms against bf16 0.1 ms and made every later run
+take bf16. So the float32 and bf16 repeats alternate (load slows both alike), and a probe measured
+while the 1-minute load average left fewer idle cores than torch's threads is measured again and kept
+only PROVISIONAL_S: long enough for the processes of one run to agree, short enough that a later run
+on a quiet machine measures again.
 """
 
 from __future__ import annotations
@@ -14,8 +25,9 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -29,6 +41,12 @@ DECODE_ROWS = 4  # a decode step: one token per sequence, memory-bound like gene
 # 7B widths, once per machine), but not below 64: fewer rows would make the matmul memory-bound.
 MAX_UPDATE_FLOPS = 2e9
 REPEATS = 5
+PROBE_VERSION = 2  # part of the cache key: 2 alternates the dtypes and caches only quiet measurements
+ATTEMPTS = 3  # probes on a busy machine, each step's best kept: more samples that missed the waits
+# Load this process adds itself before it probes (imports, reading the model config) and that the
+# probe can live with: above it, a probe with as many threads as cores waits on other processes.
+LOAD_SLACK = 0.5
+PROVISIONAL_S = 600.0  # how long a busy-machine answer is reused: one run's processes and launcher
 
 
 @dataclass(frozen=True)
@@ -99,23 +117,28 @@ def update_rows(hidden: int, intermediate: int) -> int:
     return rows
 
 
-def _best_ms(step, repeats: int) -> float:
-    step()  # warm-up: oneDNN picks and caches its kernel on the first call
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def interleaved_best_ms(steps: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Each step's best of ``repeats`` timings (each step returns its own seconds), in milliseconds.
+
+    The steps take turns (a, b, a, b, ...) after one warm-up call each (oneDNN picks and caches its
+    kernel on the first call), so a burst of load on the machine slows every step alike instead of all
+    the repeats of one of them."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(step())
+    return {name: min(seconds) * 1e3 for name, seconds in times.items()}
 
 
 @torch.no_grad()
-def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS) -> ProbeResult:
-    """Time Linear(hidden -> intermediate) on CPU in float32 and under bf16 autocast.
+def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS, clock=time.perf_counter) -> ProbeResult:
+    """Time Linear(hidden -> intermediate) on CPU in float32 and under bf16 autocast, the two alternating.
 
     Update-shaped: ``update_rows`` tokens, autocast entered per call (the update's forward casts each
-    weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens inside one autocast region (generation
-    casts each weight once and reuses the copy for every token).
+    weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens inside an autocast region that has
+    cast the weight already (generation casts each weight once and reuses the copy for every token).
     """
     generator = torch.Generator().manual_seed(0)
     rows = update_rows(hidden, intermediate)
@@ -126,20 +149,49 @@ def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS) -> ProbeRe
     x_update = torch.randn(rows, hidden, generator=generator)
     x_decode = torch.randn(DECODE_ROWS, hidden, generator=generator)
 
-    def update(enabled: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            layer(x_update)
+    def timed(call) -> float:
+        started = clock()
+        call()
+        return clock() - started
 
-    def decode_ms(enabled: bool) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            return _best_ms(lambda: layer(x_decode), repeats)
+    def update(enabled: bool) -> float:
+        return timed(lambda: _autocast_call(layer, x_update, enabled))
 
-    return ProbeResult(
-        fp32_update_ms=_best_ms(lambda: update(False), repeats),
-        bf16_update_ms=_best_ms(lambda: update(True), repeats),
-        fp32_decode_ms=decode_ms(False), bf16_decode_ms=decode_ms(True),
-        update_flops=2.0 * rows * hidden * intermediate, cpu=machine().cpu,
-    )
+    def decode(enabled: bool) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            layer(x_decode)  # the weight's cast, which generation pays once, outside the timing
+            return timed(lambda: layer(x_decode))
+
+    best = interleaved_best_ms({
+        "fp32_update_ms": lambda: update(False), "bf16_update_ms": lambda: update(True),
+        "fp32_decode_ms": lambda: decode(False), "bf16_decode_ms": lambda: decode(True),
+    }, repeats)
+    return ProbeResult(**best, update_flops=2.0 * rows * hidden * intermediate, cpu=machine().cpu)
+
+
+def _autocast_call(layer, x, enabled: bool) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+        layer(x)
+
+
+def quiet(threads: int, load: float | None, cores: int) -> bool:
+    """Whether a probe with ``threads`` torch threads had its cores to itself: the 1-minute ``load``
+    average (None where the OS has none: trusted) plus the threads fit in ``cores`` (+ LOAD_SLACK)."""
+    return load is None or load + threads <= cores + LOAD_SLACK
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes, this one included), None on Windows."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def best_of(a: ProbeResult, b: ProbeResult) -> ProbeResult:
+    """Each timing's minimum over two probes: load only ever adds time."""
+    return replace(a, **{f.name: min(getattr(a, f.name), getattr(b, f.name))
+                         for f in fields(ProbeResult) if f.name.endswith("_ms")})
 
 
 def cache_dir() -> Path:
@@ -154,13 +206,16 @@ def cache_key(hidden: int, intermediate: int) -> str:
     """Everything the probe's answer depends on."""
     here = machine()
     return json.dumps({"cpu": here.cpu, "flags": list(here.flags), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "shape": [hidden, intermediate]}, sort_keys=True)
+                       "threads": torch.get_num_threads(), "shape": [hidden, intermediate],
+                       "probe": PROBE_VERSION}, sort_keys=True)
 
 
 def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
     """``probe(hidden, intermediate)`` (run_probe), measured once per cache_key, then read from the cache file.
 
-    The file is locked while probing, so the processes of one multi-process run probe once and agree.
+    On a busy machine (``quiet`` says no) it probes up to ATTEMPTS times, keeps each timing's best, and
+    stores the answer for PROVISIONAL_S only. The file is locked while probing, so the processes of one
+    multi-process run probe once and agree.
     """
     path = cache_dir() / CACHE_FILE
     key = cache_key(hidden, intermediate)
@@ -168,14 +223,26 @@ def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
     with open(path.with_suffix(".lock"), "w") as lock:
         _lock(lock)
         entries = _read(path)
-        if key in entries:
-            return ProbeResult(**entries[key])
-        result = (probe or run_probe)(hidden, intermediate)
-        entries[key] = asdict(result)
+        entry = entries.get(key)
+        if isinstance(entry, dict) and entry.get("provisional_until", float("inf")) > time.time():
+            return ProbeResult(**{f.name: entry[f.name] for f in fields(ProbeResult)})
+        result, trusted = _probe_until_quiet(hidden, intermediate, probe or run_probe)
+        entries[key] = asdict(result) if trusted else {**asdict(result), "provisional_until": time.time() + PROVISIONAL_S}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)
         return result
+
+
+def _probe_until_quiet(hidden: int, intermediate: int, probe) -> tuple[ProbeResult, bool]:
+    """The probe's answer and whether the machine was quiet while it measured."""
+    result = probe(hidden, intermediate)
+    for attempt in range(ATTEMPTS):
+        if quiet(torch.get_num_threads(), load_average(), os.cpu_count() or 1):
+            return result, True
+        if attempt + 1 < ATTEMPTS:
+            result = best_of(result, probe(hidden, intermediate))
+    return result, False
 
 
 def _read(path: Path) -> dict:
