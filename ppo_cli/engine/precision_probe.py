@@ -25,7 +25,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +42,6 @@ DECODE_ROWS = 4  # a decode step: one token per sequence, memory-bound like gene
 MAX_UPDATE_FLOPS = 2e9
 REPEATS = 5
 PROBE_VERSION = 2  # part of the cache key: 2 alternates the dtypes and caches only quiet measurements
-ATTEMPTS = 3  # probes on a busy machine, each step's best kept: more samples that missed the waits
 # Load this process adds itself before it probes (imports, reading the model config) and that the
 # probe can live with: above it, a probe with as many threads as cores waits on other processes.
 LOAD_SLACK = 0.5
@@ -136,9 +135,9 @@ def interleaved_best_ms(steps: dict[str, Callable[[], float]], repeats: int) -> 
 def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS, clock=time.perf_counter) -> ProbeResult:
     """Time Linear(hidden -> intermediate) on CPU in float32 and under bf16 autocast, the two alternating.
 
-    Update-shaped: ``update_rows`` tokens, autocast entered per call (the update's forward casts each
-    weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens inside an autocast region that has
-    cast the weight already (generation casts each weight once and reuses the copy for every token).
+    Update-shaped: ``update_rows`` tokens, the weight cast inside the timing (the update's forward casts
+    each weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens against a bf16 copy of the
+    weight made once. The clock reads inside the autocast region, as before: its entry is not timed.
     """
     generator = torch.Generator().manual_seed(0)
     rows = update_rows(hidden, intermediate)
@@ -149,29 +148,23 @@ def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS, clock=time
     x_update = torch.randn(rows, hidden, generator=generator)
     x_decode = torch.randn(DECODE_ROWS, hidden, generator=generator)
 
-    def timed(call) -> float:
-        started = clock()
-        call()
-        return clock() - started
+    # Generation casts each weight once and reuses the copy for every token: the decode step in bf16
+    # gets the cast copy, which autocast's own cast then leaves alone.
+    weight_bf16 = layer.weight.detach().to(torch.bfloat16)
 
-    def update(enabled: bool) -> float:
-        return timed(lambda: _autocast_call(layer, x_update, enabled))
-
-    def decode(enabled: bool) -> float:
+    def timed(enabled: bool, call) -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            layer(x_decode)  # the weight's cast, which generation pays once, outside the timing
-            return timed(lambda: layer(x_decode))
+            started = clock()
+            call()
+            return clock() - started
 
     best = interleaved_best_ms({
-        "fp32_update_ms": lambda: update(False), "bf16_update_ms": lambda: update(True),
-        "fp32_decode_ms": lambda: decode(False), "bf16_decode_ms": lambda: decode(True),
+        "fp32_update_ms": lambda: timed(False, lambda: layer(x_update)),
+        "bf16_update_ms": lambda: timed(True, lambda: layer(x_update)),
+        "fp32_decode_ms": lambda: timed(False, lambda: layer(x_decode)),
+        "bf16_decode_ms": lambda: timed(True, lambda: torch.nn.functional.linear(x_decode, weight_bf16)),
     }, repeats)
     return ProbeResult(**best, update_flops=2.0 * rows * hidden * intermediate, cpu=machine().cpu)
-
-
-def _autocast_call(layer, x, enabled: bool) -> None:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-        layer(x)
 
 
 def quiet(threads: int, load: float | None, cores: int) -> bool:
@@ -186,12 +179,6 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-
-
-def best_of(a: ProbeResult, b: ProbeResult) -> ProbeResult:
-    """Each timing's minimum over two probes: load only ever adds time."""
-    return replace(a, **{f.name: min(getattr(a, f.name), getattr(b, f.name))
-                         for f in fields(ProbeResult) if f.name.endswith("_ms")})
 
 
 def cache_dir() -> Path:
@@ -213,9 +200,8 @@ def cache_key(hidden: int, intermediate: int) -> str:
 def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
     """``probe(hidden, intermediate)`` (run_probe), measured once per cache_key, then read from the cache file.
 
-    On a busy machine (``quiet`` says no) it probes up to ATTEMPTS times, keeps each timing's best, and
-    stores the answer for PROVISIONAL_S only. The file is locked while probing, so the processes of one
-    multi-process run probe once and agree.
+    An answer measured on a busy machine (``quiet`` says no) is stored for PROVISIONAL_S only. The file is
+    locked while probing, so the processes of one multi-process run probe once and agree.
     """
     path = cache_dir() / CACHE_FILE
     key = cache_key(hidden, intermediate)
@@ -226,23 +212,14 @@ def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
         entry = entries.get(key)
         if isinstance(entry, dict) and entry.get("provisional_until", float("inf")) > time.time():
             return ProbeResult(**{f.name: entry[f.name] for f in fields(ProbeResult)})
-        result, trusted = _probe_until_quiet(hidden, intermediate, probe or run_probe)
-        entries[key] = asdict(result) if trusted else {**asdict(result), "provisional_until": time.time() + PROVISIONAL_S}
+        result = (probe or run_probe)(hidden, intermediate)
+        entries[key] = asdict(result)
+        if not quiet(torch.get_num_threads(), load_average(), os.cpu_count() or 1):
+            entries[key]["provisional_until"] = time.time() + PROVISIONAL_S
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)
         return result
-
-
-def _probe_until_quiet(hidden: int, intermediate: int, probe) -> tuple[ProbeResult, bool]:
-    """The probe's answer and whether the machine was quiet while it measured."""
-    result = probe(hidden, intermediate)
-    for attempt in range(ATTEMPTS):
-        if quiet(torch.get_num_threads(), load_average(), os.cpu_count() or 1):
-            return result, True
-        if attempt + 1 < ATTEMPTS:
-            result = best_of(result, probe(hidden, intermediate))
-    return result, False
 
 
 def _read(path: Path) -> dict:
