@@ -8,14 +8,15 @@ its bf16/AMX flags, torch version, thread count, the layer shapes, the probe's v
 probes each shape once.
 
 A probe on a busy machine measures the load, not the CPU: with as many torch threads as cores and
-another process on one of them, each parallel matmul can wait a whole scheduler time slice for its
-descheduled thread. Measured on a 2-core AMD EPYC with a busy loop beside it, best-of-5 timings of the
-same Linear came out at 0.12 ms or at 24 ms, at random, for either dtype; the old probe, which ran all
-float32 repeats before all bf16 ones, cached fp32 44 ms against bf16 0.1 ms and made every later run
-take bf16. So the float32 and bf16 repeats alternate (load slows both alike), and a probe measured
-while the 1-minute load average left fewer idle cores than torch's threads is measured again and kept
-only PROVISIONAL_S: long enough for the processes of one run to agree, short enough that a later run
-on a quiet machine measures again.
+another job on one of them, a parallel matmul waits for its descheduled thread, a scheduler time slice
+(4-75 ms measured) against the 0.1 ms it needs at the tiny widths. Run all float32 repeats before all bf16 ones
+(the probe before version 2) and a burst of load can land on every repeat of one side: on a 2-core AMD
+EPYC beside other jobs, 150 such probes of Linear(96 -> 384) gave fp32/bf16 ratios from 0.0075 to 179,
+and the cached 44 ms against 0.1 ms made every later run there take bf16. So the repeats alternate
+(fp32, bf16, fp32, ...), which kept the same 150 within 0.74-1.52; and since a busy machine still
+moves the ratio across precision.py's margin, an answer measured while the 1-minute load average left
+fewer idle cores than torch's threads is kept only PROVISIONAL_S: long enough for the processes of one
+run to agree, short enough that a later run measures again. (benchmarks/bench_probe_load.py.)
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ DECODE_ROWS = 4  # a decode step: one token per sequence, memory-bound like gene
 # 7B widths, once per machine), but not below 64: fewer rows would make the matmul memory-bound.
 MAX_UPDATE_FLOPS = 2e9
 REPEATS = 5
-PROBE_VERSION = 2  # part of the cache key: 2 alternates the dtypes and caches only quiet measurements
+PROBE_VERSION = 2  # in the cache key: entries of the probe that ran all float32 repeats first are measured again
 # Load this process adds itself before it probes (imports, reading the model config) and that the
 # probe can live with: above it, a probe with as many threads as cores waits on other processes.
 LOAD_SLACK = 0.5
-PROVISIONAL_S = 600.0  # how long a busy-machine answer is reused: one run's processes and launcher
+PROVISIONAL_S = 600.0  # how long a busy machine's answer is reused: by one run's processes and its launcher
 
 
 @dataclass(frozen=True)
