@@ -4,7 +4,19 @@ Whether bf16 autocast is faster on a CPU is not a property of its flags: an AMD 
 ran a 0.5B-shape PPO update 1.67x faster in bf16, an Intel Xeon with AVX512-BF16 (no AMX) 1.68x
 slower. So ``train.mixed_precision: auto`` asks the machine: this module measures, ``precision.py``
 decides. The answer is cached in a small JSON file keyed by everything it depends on (CPU model and
-its bf16/AMX flags, torch version, thread count, the layer shapes), so a machine probes each shape once.
+its bf16/AMX flags, torch version, thread count, the layer shapes, the probe's version), so a machine
+probes each shape once.
+
+A probe on a busy machine measures the load, not the CPU: with as many torch threads as cores and
+another job on one of them, a parallel matmul waits for its descheduled thread, a scheduler time slice
+(4-75 ms measured) against the 0.1 ms it needs at the tiny widths. Run all float32 repeats before all bf16 ones
+(the probe before version 2) and a burst of load can land on every repeat of one side: on a 2-core AMD
+EPYC beside other jobs, 150 such probes of Linear(96 -> 384) gave fp32/bf16 ratios from 0.0075 to 179,
+and the cached 44 ms against 0.1 ms made every later run there take bf16. So the repeats alternate
+(fp32, bf16, fp32, ...), which kept the same 150 within 0.74-1.52; and since a busy machine still
+moves the ratio across precision.py's margin, an answer measured while the 1-minute load average left
+fewer idle cores than torch's threads is kept only PROVISIONAL_S: long enough for the processes of one
+run to agree, short enough that a later run measures again. (benchmarks/bench_probe_load.py.)
 """
 
 from __future__ import annotations
@@ -14,8 +26,9 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -29,6 +42,11 @@ DECODE_ROWS = 4  # a decode step: one token per sequence, memory-bound like gene
 # 7B widths, once per machine), but not below 64: fewer rows would make the matmul memory-bound.
 MAX_UPDATE_FLOPS = 2e9
 REPEATS = 5
+PROBE_VERSION = 2  # in the cache key: entries of the probe that ran all float32 repeats first are measured again
+# Load this process adds itself before it probes (imports, reading the model config) and that the
+# probe can live with: above it, a probe with as many threads as cores waits on other processes.
+LOAD_SLACK = 0.5
+PROVISIONAL_S = 600.0  # how long a busy machine's answer is reused: by one run's processes and its launcher
 
 
 @dataclass(frozen=True)
@@ -99,23 +117,28 @@ def update_rows(hidden: int, intermediate: int) -> int:
     return rows
 
 
-def _best_ms(step, repeats: int) -> float:
-    step()  # warm-up: oneDNN picks and caches its kernel on the first call
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def interleaved_best_ms(steps: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Each step's best of ``repeats`` timings (each step returns its own seconds), in milliseconds.
+
+    The steps take turns (a, b, a, b, ...) after one warm-up call each (oneDNN picks and caches its
+    kernel on the first call), so a burst of load on the machine slows every step alike instead of all
+    the repeats of one of them."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(step())
+    return {name: min(seconds) * 1e3 for name, seconds in times.items()}
 
 
 @torch.no_grad()
-def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS) -> ProbeResult:
-    """Time Linear(hidden -> intermediate) on CPU in float32 and under bf16 autocast.
+def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS, clock=time.perf_counter) -> ProbeResult:
+    """Time Linear(hidden -> intermediate) on CPU in float32 and under bf16 autocast, the two alternating.
 
-    Update-shaped: ``update_rows`` tokens, autocast entered per call (the update's forward casts each
-    weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens inside one autocast region (generation
-    casts each weight once and reuses the copy for every token).
+    Update-shaped: ``update_rows`` tokens, the weight cast inside the timing (the update's forward casts
+    each weight once per micro-batch). Decode-shaped: DECODE_ROWS tokens against a bf16 copy of the
+    weight made once. The clock reads inside the autocast region, as before: its entry is not timed.
     """
     generator = torch.Generator().manual_seed(0)
     rows = update_rows(hidden, intermediate)
@@ -126,20 +149,37 @@ def run_probe(hidden: int, intermediate: int, repeats: int = REPEATS) -> ProbeRe
     x_update = torch.randn(rows, hidden, generator=generator)
     x_decode = torch.randn(DECODE_ROWS, hidden, generator=generator)
 
-    def update(enabled: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            layer(x_update)
+    # Generation casts each weight once and reuses the copy for every token: the decode step in bf16
+    # gets the cast copy, which autocast's own cast then leaves alone.
+    weight_bf16 = layer.weight.detach().to(torch.bfloat16)
 
-    def decode_ms(enabled: bool) -> float:
+    def timed(enabled: bool, call) -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            return _best_ms(lambda: layer(x_decode), repeats)
+            started = clock()
+            call()
+            return clock() - started
 
-    return ProbeResult(
-        fp32_update_ms=_best_ms(lambda: update(False), repeats),
-        bf16_update_ms=_best_ms(lambda: update(True), repeats),
-        fp32_decode_ms=decode_ms(False), bf16_decode_ms=decode_ms(True),
-        update_flops=2.0 * rows * hidden * intermediate, cpu=machine().cpu,
-    )
+    best = interleaved_best_ms({
+        "fp32_update_ms": lambda: timed(False, lambda: layer(x_update)),
+        "bf16_update_ms": lambda: timed(True, lambda: layer(x_update)),
+        "fp32_decode_ms": lambda: timed(False, lambda: layer(x_decode)),
+        "bf16_decode_ms": lambda: timed(True, lambda: torch.nn.functional.linear(x_decode, weight_bf16)),
+    }, repeats)
+    return ProbeResult(**best, update_flops=2.0 * rows * hidden * intermediate, cpu=machine().cpu)
+
+
+def quiet(threads: int, load: float | None, cores: int) -> bool:
+    """Whether a probe with ``threads`` torch threads had its cores to itself: the 1-minute ``load``
+    average (None where the OS has none: trusted) plus the threads fit in ``cores`` (+ LOAD_SLACK)."""
+    return load is None or load + threads <= cores + LOAD_SLACK
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes, this one included), None on Windows."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def cache_dir() -> Path:
@@ -154,13 +194,15 @@ def cache_key(hidden: int, intermediate: int) -> str:
     """Everything the probe's answer depends on."""
     here = machine()
     return json.dumps({"cpu": here.cpu, "flags": list(here.flags), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "shape": [hidden, intermediate]}, sort_keys=True)
+                       "threads": torch.get_num_threads(), "shape": [hidden, intermediate],
+                       "probe": PROBE_VERSION}, sort_keys=True)
 
 
 def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
     """``probe(hidden, intermediate)`` (run_probe), measured once per cache_key, then read from the cache file.
 
-    The file is locked while probing, so the processes of one multi-process run probe once and agree.
+    An answer measured on a busy machine (``quiet`` says no) is stored for PROVISIONAL_S only. The file is
+    locked while probing, so the processes of one multi-process run probe once and agree.
     """
     path = cache_dir() / CACHE_FILE
     key = cache_key(hidden, intermediate)
@@ -168,10 +210,13 @@ def cached_probe(hidden: int, intermediate: int, probe=None) -> ProbeResult:
     with open(path.with_suffix(".lock"), "w") as lock:
         _lock(lock)
         entries = _read(path)
-        if key in entries:
-            return ProbeResult(**entries[key])
+        entry = entries.get(key)
+        if isinstance(entry, dict) and entry.get("provisional_until", float("inf")) > time.time():
+            return ProbeResult(**{f.name: entry[f.name] for f in fields(ProbeResult)})
         result = (probe or run_probe)(hidden, intermediate)
         entries[key] = asdict(result)
+        if not quiet(torch.get_num_threads(), load_average(), os.cpu_count() or 1):
+            entries[key]["provisional_until"] = time.time() + PROVISIONAL_S
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)
