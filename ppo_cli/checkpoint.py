@@ -188,6 +188,17 @@ def save_checkpoint(state, checkpoints_dir: Path, keep: int) -> Path:
     return final_dir
 
 
+def recorded_mixed_precision(directory: Path | None) -> str | None:
+    """The precision a checkpoint's run computed in ('no', 'bf16', 'fp16'), None without a checkpoint or
+    for one written before it was recorded."""
+    if directory is None:
+        return None
+    try:
+        return json.loads((Path(directory) / "trainer_state.json").read_text()).get("mixed_precision")
+    except (OSError, ValueError):
+        return None
+
+
 def gathered_model_state(state) -> dict | None:
     """With FSDP, the ActorCritic's full state dict (main process; collective), else None."""
     full = state.dist.full_model_state(state.model, trained_only=state.engine.actor_critic.is_peft)
@@ -231,6 +242,7 @@ def _write_checkpoint(state, checkpoints_dir: Path, final_dir: Path, rng_states:
         trainer_state = {
             "step": state.step, "episodes": state.episodes, "consecutive_skips": state.consecutive_skips,
             "kl_controller": state.kl_controller.state_dict(), "sampler": state.sampler.state_dict(),
+            "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved: a resume keeps it
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
     complete = sorted(p for p in checkpoints_dir.glob("step-*") if (p / MANIFEST).exists())

@@ -241,8 +241,9 @@ def _unwrap_optimizer(optimizer):
 class Distributed(ShardingMixin):
     def __init__(self, device_name: str = "auto", mixed_precision: str = "no",
                  weights_dtype: torch.dtype = torch.float32, widths: tuple[int, int] | None = None,
-                 collective_timeout_s: int | None = None):
-        """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py);
+                 collective_timeout_s: int | None = None, resumed_precision: str | None = None):
+        """``mixed_precision``: train.mixed_precision ('auto' is resolved here, see engine/precision.py;
+        ``resumed_precision``: what a resumed run's checkpoint recorded, which 'auto' keeps);
         ``weights_dtype``: the policy's, for 'auto' (half-precision weights get no autocast); ``widths``:
         the policy's (hidden, intermediate), where the CPU probe measures (None: no probe);
         ``collective_timeout_s``: the process group's timeout (train.collective_timeout_s), None: the backend's."""
@@ -262,7 +263,8 @@ class Distributed(ShardingMixin):
             return
         init_processes(cpu, collective_timeout_s)
         device = torch.device("cpu" if cpu else "cuda")
-        self.precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision(), widths)
+        self.precision = resolve_mixed_precision(mixed_precision, device, weights_dtype, launcher_mixed_precision(), widths,
+                                                 resumed_precision)
         check_mixed_precision(self.precision.value, device)
         forget_other_precision(self.precision.value)
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=self.precision.value)
@@ -273,14 +275,15 @@ class Distributed(ShardingMixin):
         self.mixed_precision = self.accelerator.mixed_precision
 
     @classmethod
-    def for_recipe(cls, recipe) -> "Distributed":
-        """The run's processes and precision as ``recipe`` (train.device, train.mixed_precision) asks."""
+    def for_recipe(cls, recipe, resumed_precision: str | None = None) -> "Distributed":
+        """The run's processes and precision as ``recipe`` (train.device, train.mixed_precision) asks, and a
+        resumed run's checkpoint (``resumed_precision``) for 'auto'."""
         from ppo_cli.engine.models import resolve_device, resolve_dtype
         from ppo_cli.engine.precision import probe_widths
 
         device = resolve_device(recipe.train.device)
         return cls(recipe.train.device, recipe.train.mixed_precision, resolve_dtype(recipe.policy.dtype, device),
-                   probe_widths(recipe, device), recipe.train.collective_timeout_s)
+                   probe_widths(recipe, device), recipe.train.collective_timeout_s, resumed_precision)
 
     @property
     def rank(self) -> int:

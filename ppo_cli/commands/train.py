@@ -322,7 +322,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     import numpy as np
     import torch
 
-    from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state
+    from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state, recorded_mixed_precision
     from ppo_cli.collectives import enter as enter_phase
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.engine import load_engine
@@ -334,7 +334,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     from ppo_cli.runs import discard_unstarted_run
     from ppo_cli.trainer import init_state
 
-    dist = Distributed.for_recipe(recipe)
+    dist = Distributed.for_recipe(recipe, resumed_precision=recorded_mixed_precision(checkpoint))
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)

@@ -46,10 +46,14 @@ class PrecisionChoice:
 
 
 def choose_mixed_precision(setting: str, device_type: str, weights_dtype: torch.dtype, launcher: str | None = None,
-                           cuda_bf16: bool = False, probe: ProbeResult | None = None) -> PrecisionChoice:
+                           cuda_bf16: bool = False, probe: ProbeResult | None = None,
+                           resumed: str | None = None) -> PrecisionChoice:
     """The one rule for train.mixed_precision ``setting`` ('auto' or a value); pure: facts in, choice out.
 
-    An explicit setting wins. 'auto' takes the launcher's choice when there is one (``launcher``); leaves
+    An explicit setting wins. 'auto' takes the launcher's choice when there is one (``launcher``); a
+    resumed run keeps what its checkpoint's run chose (``resumed``: the probe may answer otherwise now,
+    on a busier machine or with another thread count, and the resumed updates must compute as the
+    first ones did); leaves
     half-precision weights alone (they are pure bf16/fp16 already); on CUDA takes bf16 when the device
     supports it (``cuda_bf16``); on CPU takes bf16 only when the ``probe`` measured it faster than float32
     by BF16_MARGIN at the model's widths ('no' without a probe: float32 is exact).
@@ -59,6 +63,8 @@ def choose_mixed_precision(setting: str, device_type: str, weights_dtype: torch.
         return choice(setting, "")
     if launcher is not None:
         return choice(launcher, "the launcher's --mixed_precision")
+    if resumed is not None:
+        return choice(resumed, "as the run being resumed chose it")
     if weights_dtype != torch.float32:
         return choice("no", f"the weights are {str(weights_dtype).removeprefix('torch.')} already")
     if device_type == "cuda":
@@ -69,12 +75,15 @@ def choose_mixed_precision(setting: str, device_type: str, weights_dtype: torch.
 
 
 def resolve_mixed_precision(setting: str, device: torch.device, weights_dtype: torch.dtype,
-                            launcher: str | None = None, widths: tuple[int, int] | None = None) -> PrecisionChoice:
+                            launcher: str | None = None, widths: tuple[int, int] | None = None,
+                            resumed: str | None = None) -> PrecisionChoice:
     """choose_mixed_precision with the facts of this machine: CUDA's bf16 support, and on CPU the probe
-    at ``widths`` (hidden, intermediate), read from the cache or measured once."""
+    at ``widths`` (hidden, intermediate), read from the cache or measured once (not for a resumed run's
+    'auto', which ``resumed`` decides)."""
     cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    probe = cached_probe(*widths) if device.type == "cpu" and widths is not None else None
-    return choose_mixed_precision(setting, device.type, weights_dtype, launcher, cuda_bf16, probe)
+    measure = device.type == "cpu" and widths is not None and not (setting == "auto" and resumed is not None)
+    probe = cached_probe(*widths) if measure else None
+    return choose_mixed_precision(setting, device.type, weights_dtype, launcher, cuda_bf16, probe, resumed)
 
 
 def model_widths(path: str, trust_remote_code: bool = False, revision: str | None = None) -> tuple[int, int] | None:

@@ -1,5 +1,7 @@
 """train.mixed_precision: resolving 'auto', refusing what cannot run, autocast, and accelerate's singleton."""
 
+import json
+
 import pytest
 import torch
 
@@ -165,3 +167,23 @@ def test_distributed_refuses_fp16_on_cpu():
 
     with pytest.raises(UsageError, match="needs a GPU"):
         Distributed("cpu", "fp16")
+
+
+def test_a_resumed_run_keeps_what_its_checkpoint_chose_unless_the_recipe_says_otherwise():
+    measured_fp32_faster = probe(8.8, 14.5)
+    resumed = choose_mixed_precision("auto", "cpu", torch.float32, probe=measured_fp32_faster, resumed="bf16")
+    assert (resumed.value, resumed.reason) == ("bf16", "as the run being resumed chose it")
+    assert choose_mixed_precision("no", "cpu", torch.float32, resumed="bf16").value == "no"  # explicit wins
+    assert choose_mixed_precision("auto", "cpu", torch.float32, launcher="fp16", resumed="bf16").value == "fp16"
+    assert choose_mixed_precision("auto", "cpu", torch.float32, probe=measured_fp32_faster).value == "no"  # not resumed
+
+
+def test_the_precision_a_checkpoint_recorded(tmp_path):
+    from ppo_cli.checkpoint import recorded_mixed_precision
+
+    assert recorded_mixed_precision(None) is None
+    assert recorded_mixed_precision(tmp_path) is None  # no trainer_state.json
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    assert recorded_mixed_precision(tmp_path) is None  # written before the precision was recorded
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "mixed_precision": "bf16"}))
+    assert recorded_mixed_precision(tmp_path) == "bf16"

@@ -22,9 +22,9 @@ SHORT = {
 }
 
 
-def _train(recipe: str, models: Path, out: Path, name: str, precision: str) -> tuple[list[dict], dict, str]:
+def _train(recipe: str, models: Path, out: Path, name: str, precision: str, **extra) -> tuple[list[dict], dict, str]:
     args = ["train", str(ROOT / "recipes" / recipe)]
-    sets = {**SHORT, "name": name, "train.mixed_precision": precision}
+    sets = {**SHORT, "name": name, "train.mixed_precision": precision, **extra}
     for item in tiny_overrides(models, out, **sets):
         args += ["--set", item]
     result = runner.invoke(app, args)
@@ -100,3 +100,26 @@ def test_auto_takes_what_the_probe_measured_and_says_so(tiny_models, tmp_path, m
     _assert_finite_with_first_ratio_near_1(metrics)
     # MFU against the seeded peak (1e9 FLOPs in the chosen precision's update-shaped ms), decode bandwidth
     assert all(row["perf/mfu_rollout"] > 0 and row["perf/mfu_update"] > 0 and row["perf/decode_gbps"] > 0 for row in metrics)
+
+
+def test_a_resumed_run_keeps_the_precision_its_checkpoint_ran_in(tiny_models, tmp_path, monkeypatch):
+    """`auto` resolved to bf16 by the probe; the probe answers fp32 by the time the run is resumed (another
+    load, another probe version): the resumed updates still compute in bf16, as the first ones did."""
+    monkeypatch.setenv("PPO_CLI_CACHE_DIR", str(tmp_path / "cache"))
+    seed_probe(tiny_models, 14.5, 8.8)  # bf16 faster
+    _, first, _ = _train("tiny_sentiment.yaml", tiny_models, tmp_path, "resumed", "auto", **{"train.save_every": 2})
+    assert first["mixed_precision"] == "bf16"
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step-000002"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["mixed_precision"] == "bf16"
+
+    monkeypatch.setenv("PPO_CLI_CACHE_DIR", str(tmp_path / "cache-later"))
+    seed_probe(tiny_models, 8.8, 14.5)  # now fp32 faster: a fresh run would take 'no'
+    args = ["train", str(ROOT / "recipes" / "tiny_sentiment.yaml")]
+    for item in tiny_overrides(tiny_models, tmp_path, **{**SHORT, "name": "resumed", "train.mixed_precision": "auto",
+                                                          "train.total_updates": 3, "train.save_every": 2}):
+        args += ["--set", item]
+    result = runner.invoke(app, args + ["--resume", "latest"])  # what a bare --resume becomes in main()
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["updates"] == 3 and summary["mixed_precision"] == "bf16"
+    assert summary["mixed_precision_choice"]["reason"] == "as the run being resumed chose it"
