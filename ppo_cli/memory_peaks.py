@@ -20,7 +20,7 @@ def phase_peak(device: torch.device, metrics: dict[str, float], key: str):
     if device.type != "cuda":
         yield
         return
-    index = torch.device(device).index or 0
+    index = device.index or 0
     _run_peak_bytes[index] = max(_run_peak_bytes.get(index, 0), torch.cuda.max_memory_allocated(index))
     torch.cuda.reset_peak_memory_stats(index)
     try:

@@ -453,8 +453,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     enter_phase("rollout")
     prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
     deferred = defer_old_logprobs(recipe.ppo, engine, len(prompts))
-    peaks: dict[str, float] = {}  # CUDA only: what each phase held at most, to set against `ppo plan`
-    with (memory_phase("sampling and scoring the rollout"), phase_peak(dist.device, peaks, "memory/rollout_peak_gb"),
+    peaks: dict[str, float] = {}  # CUDA only: the GB each phase held at most, to set against `ppo plan`
+    with (memory_phase("sampling and scoring the rollout"), phase_peak(dist.device, peaks, "rollout"),
           dist.rollout_parameters(state.model, recipe.train.fsdp_rollout)):
         rollout = engine.collect_rollout(prompts, old_logprobs=not deferred)
     rollout_seconds = time.perf_counter() - started
@@ -467,7 +467,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     if dist.any(skip_reason is not None):  # every process must skip together
         skip_reason = skip_reason or "non-finite numbers on another process"
     enter_phase("update")
-    with memory_phase("updating the policy and critic"), phase_peak(dist.device, peaks, "memory/update_peak_gb"):
+    with memory_phase("updating the policy and critic"), phase_peak(dist.device, peaks, "update"):
         stats = optimise(state, rollout, adv) if skip_reason is None else None
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
@@ -509,10 +509,9 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         "time/step_cpu_s": time.process_time() - cpu_started,
         "tokens_per_s": generated_tokens / seconds,
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
-        **peaks,
+        **{f"memory/{phase}_peak_gb": gb for phase, gb in peaks.items()},
     })
-    for key, gb in peaks.items():
-        phase = key.removeprefix("memory/").removesuffix("_peak_gb")
+    for phase, gb in peaks.items():
         state.memory_peaks[phase] = max(state.memory_peaks.get(phase, 0.0), gb)
     return metrics, rollout
 

@@ -197,9 +197,9 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
 
 
 def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
-            full_state: dict | None = None, phase_peaks: dict[str, float] | None = None) -> dict:
+            full_state: dict | None = None, *, phase_peaks: dict[str, float]) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
-    weights under FSDP, see save_policy_and_value)."""
+    weights under FSDP, see save_policy_and_value; ``phase_peaks``: CUDA GB by phase, saving's added here)."""
     import torch
 
     from ppo_cli.checkpoint import save_final
@@ -219,7 +219,6 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
     }
     card = render_model_card(info, dump_resolved(recipe), numbers["before"], numbers["after"])
     merge_dtype = resolve_dtype(recipe.policy.dtype, torch.device("cpu")) if merge else None
-    phase_peaks = {} if phase_peaks is None else phase_peaks
     with phase_peak(state.dist.device, phase_peaks, "saving"):
         save_final(engine.actor_critic, engine.tokenizer, run_dir.final, info, merge_dtype, model_card=card,
                    full_state=full_state)
@@ -380,6 +379,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     # FSDP: final/ is written from full_state (--merge reloads the base from disk), so the sharded
     # weights need no gathering; ZeRO-3 saves from the modules, gathered here by every process.
     with contextlib.nullcontext() if dist.shards_parameters else dist.full_parameters(state.model):
-        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state, phase_peaks) if dist.is_main else {}
+        summary = _finish(state, run_dir, before, after, merge, started, observer, full_state,
+                          phase_peaks=phase_peaks) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
