@@ -107,7 +107,8 @@ def test_a_resumed_run_keeps_the_precision_its_checkpoint_ran_in(tiny_models, tm
     load, another probe version): the resumed updates still compute in bf16, as the first ones did."""
     monkeypatch.setenv("PPO_CLI_CACHE_DIR", str(tmp_path / "cache"))
     seed_probe(tiny_models, 14.5, 8.8)  # bf16 faster
-    _, first, _ = _train("tiny_sentiment.yaml", tiny_models, tmp_path, "resumed", "auto", **{"train.save_every": 2})
+    with_eval = {"data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt"}  # the recipe's default, kept on
+    _, first, _ = _train("tiny_sentiment.yaml", tiny_models, tmp_path, "resumed", "auto", **{"train.save_every": 2}, **with_eval)
     assert first["mixed_precision"] == "bf16"
     checkpoint = tmp_path / "resumed" / "checkpoints" / "step-000002"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["mixed_precision"] == "bf16"
@@ -116,7 +117,7 @@ def test_a_resumed_run_keeps_the_precision_its_checkpoint_ran_in(tiny_models, tm
     seed_probe(tiny_models, 8.8, 14.5)  # now fp32 faster: a fresh run would take 'no'
     args = ["train", str(ROOT / "recipes" / "tiny_sentiment.yaml")]
     for item in tiny_overrides(tiny_models, tmp_path, **{**SHORT, "name": "resumed", "train.mixed_precision": "auto",
-                                                          "train.total_updates": 3, "train.save_every": 2}):
+                                                          "train.total_updates": 3, "train.save_every": 2, **with_eval}):
         args += ["--set", item]
     result = runner.invoke(app, args + ["--resume", "latest"])  # what a bare --resume becomes in main()
     assert result.exit_code == 0, result.output
