@@ -1,7 +1,13 @@
 """Typed containers passed between the engine and the trainer.
 
-Shapes: B episodes in the batch, P prompt length (left-padded), T response length (right-padded).
-Masks are bool and True means "counts".
+Shapes: B episodes in the batch, P prompt length (left-padded), T response length (right-padded): the
+response is every token after the prompt, the policy's and (in an episode with several turns) the
+environment's. Masks are bool and True means "counts".
+
+Two masks over the response, because attending and training differ: ``response_mask`` marks every real
+token the model attends to (it builds the attention mask); ``action_mask`` marks the policy's sampled
+tokens only, the ones trained on (losses, KL, entropy, whitening, advantages). A tool's answer inside an
+episode is in the first and never in the second. With one turn they are equal.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ class Generation(NamedTuple):
     prompt_ids: torch.Tensor  # (B, P) left-padded
     prompt_mask: torch.Tensor  # (B, P) True on real prompt tokens
     response_ids: torch.Tensor  # (B, T) pad after the stop token
-    response_mask: torch.Tensor  # (B, T) True on sampled tokens up to and including the stop token
+    response_mask: torch.Tensor  # (B, T) True on real tokens up to and including the stop token: attended
     finished: torch.Tensor  # (B,) True when the stop token was sampled
+    action_mask: torch.Tensor  # (B, T) True on the policy's sampled tokens: trained; within response_mask
 
     @property
     def sequences(self) -> torch.Tensor:  # (B, P + T)
@@ -51,8 +58,8 @@ class Rollout(NamedTuple):
 
     @property
     def train_mask(self) -> torch.Tensor:  # (B, T)
-        """response_mask less the episodes without a reward: what the losses and whitening count."""
-        mask = self.generation.response_mask
+        """action_mask less the episodes without a reward: what the losses and whitening count."""
+        mask = self.generation.action_mask
         return mask if self.scored is None else mask & self.scored.unsqueeze(1)
 
 

@@ -22,7 +22,7 @@ def rollout(log_ratio: float = 0.2) -> Rollout:
     ref = torch.full((4, 3), -1.0).masked_fill(~mask, 0.0)
     logprobs = (ref + log_ratio).masked_fill(~mask, 0.0)  # k1 KL of 0.2 on every real token
     ids = torch.ones(4, 3, dtype=torch.long)
-    generation = Generation(ids[:, :1], torch.ones(4, 1, dtype=torch.bool), ids, mask, torch.ones(4, dtype=torch.bool))
+    generation = Generation(ids[:, :1], torch.ones(4, 1, dtype=torch.bool), ids, mask, torch.ones(4, dtype=torch.bool), mask)
     return Rollout(generation, ["a", "a", "b", "b"], [""] * 4, logprobs, ref, None, torch.tensor(SCORES), {})
 
 

@@ -152,7 +152,7 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
     if missing > 0:
         response_ids = torch.nn.functional.pad(response_ids, (0, missing), value=pad_token_id)
         response_mask = torch.nn.functional.pad(response_mask, (0, missing), value=False)
-    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, finished)
+    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, finished, response_mask)  # one turn: all sampled
 
 
 class _SampledTokenLogprobs:
@@ -233,4 +233,5 @@ def trim_padding(generation: Generation) -> Generation:
     return generation._replace(
         response_ids=generation.response_ids[:, :longest],
         response_mask=generation.response_mask[:, :longest],
+        action_mask=generation.action_mask[:, :longest],
     )

@@ -233,8 +233,9 @@ def build_generation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens
         finished.append(bool(ids) and ids[-1] == stop_token_id)
     response_mask = torch.arange(max_new_tokens).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     device = prompt_ids.device
-    generation = Generation(prompt_ids, prompt_mask, response_ids.to(device), response_mask.to(device),
-                            torch.tensor(finished, device=device))
+    response_mask = response_mask.to(device)
+    generation = Generation(prompt_ids, prompt_mask, response_ids.to(device), response_mask,
+                            torch.tensor(finished, device=device), response_mask)  # one turn: all sampled
     return generation, sampled.to(device)
 
 

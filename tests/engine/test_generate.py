@@ -44,10 +44,12 @@ def test_trim_padding_drops_columns_after_longest_response():
         response_ids=torch.tensor([[5, 0, 1, 1], [5, 6, 0, 1]]),
         response_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool),
         finished=torch.tensor([True, True]),
+        action_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool),
     )
     trimmed = trim_padding(gen)
     assert trimmed.response_ids.tolist() == [[5, 0, 1], [5, 6, 0]]
     assert trimmed.response_mask.shape == (2, 3)
+    assert trimmed.action_mask.tolist() == [[True, True, False], [True, False, True]]
     assert trimmed.sequences.shape == (2, 5)
 
 

@@ -38,6 +38,7 @@ def test_score_positions_are_the_reward_models_last_token_in_the_policys_sequenc
         response_ids=torch.tensor([[9, STOP], [8, 9], [30, PAD]]),
         response_mask=torch.tensor([[True, True], [True, True], [True, False]]),
         finished=torch.tensor([True, False, False]),
+        action_mask=torch.tensor([[True, True], [True, True], [True, False]]),
     )
     shared = SharedRewardModel(0, _scorer([[7, 8, 9], [5, 6, 7, 8, 9], [4, 4, 3, 0]]))
     # row 0's last real reward token (9) sits at sequence position 3; row 1's at 4
@@ -48,7 +49,7 @@ def test_score_positions_pool_as_transformers_does_the_rightmost_non_pad_token()
     # The reward's ids end in the pad id (a pad token that is also an ordinary token): transformers'
     # ForSequenceClassification pools the rightmost token that is not the pad id, here position 1.
     generation = Generation(torch.tensor([[5, 6]]), torch.tensor([[True, True]]), torch.tensor([[PAD]]),
-                            torch.tensor([[True]]), torch.tensor([False]))
+                            torch.tensor([[True]]), torch.tensor([False]), torch.tensor([[True]]))
     shared = SharedRewardModel(0, _scorer([[5, 6, PAD]]))
     assert shared.score_positions(["p"], ["r"], generation).tolist() == [1]
 
