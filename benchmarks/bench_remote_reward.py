@@ -60,19 +60,19 @@ def main() -> None:
 
     import torch
 
-    from ppo_cli.engine import rewards
-    from ppo_cli.engine.rewards import RewardStack
+    from ppo_cli.engine.rewards import stack
+    from ppo_cli.engine.rewards.stack import RewardStack
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.recipe_loading import load_recipe
     from ppo_cli.trainer import init_state, train_step
     from tests.fixtures.model_cache import built_tiny_models
-    from tests.reward_servers import RewardServer
+    from tests.fixtures.reward_servers import RewardServer
 
-    from ppo_cli.engine.function_reward import load_reward_function
+    from ppo_cli.engine.rewards.function import load_reward_function
 
     waits: list[float] = []  # seconds the rollout waited on the server after its forwards
     during: list[int] = []  # requests sent while the batch was still being sampled
-    results = rewards.PendingScores.results
+    results = stack.PendingScores.results
 
     def timed_results(self):
         started = time.perf_counter()
@@ -83,7 +83,7 @@ def main() -> None:
                 waits.append(time.perf_counter() - started)
                 during.append(self.stream.sent_while_sampling if self.stream is not None else 0)
 
-    rewards.PendingScores.results = timed_results
+    stack.PendingScores.results = timed_results
     server = RewardServer().start()
     server.delay_s = args.delay
     if args.shape == "tiny":

@@ -34,7 +34,7 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     ``import_functions``: when training asks for it, not when a recipe is validated."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
-    from ppo_cli.reward_checks import check_reward_components
+    from ppo_cli.engine.rewards.checks import check_reward_components
 
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []

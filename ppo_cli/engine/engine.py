@@ -34,8 +34,8 @@ from ppo_cli.engine.models import (
     unwrap_causal_lm,
 )
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
-from ppo_cli.engine.rewards import RewardStack, ScoreResult
-from ppo_cli.engine.shared_reward import SharedForward, SharedRewardModel
+from ppo_cli.engine.rewards.stack import RewardStack, ScoreResult
+from ppo_cli.engine.rewards.shared import SharedForward, SharedRewardModel
 from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.reward_servers import JudgeServer, RewardServer
+from tests.fixtures.reward_servers import JudgeServer, RewardServer
 
 pytestmark = pytest.mark.slow
 FUNCTION_RECIPE = ROOT / "recipes" / "tiny_function_reward.yaml"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "ppo_cli"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 FLOOR_LINE = re.compile(r"^\s*(\d+)\s+([^:]+):\s+(.+)$")

@@ -8,7 +8,7 @@ is one line naming the component, the file or the URL, exit code 2. Imports no t
 
 from __future__ import annotations
 
-from ppo_cli.engine.reward_types import REWARD_TYPES
+from ppo_cli.engine.rewards.registry import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
 
 

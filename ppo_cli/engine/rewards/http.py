@@ -14,7 +14,7 @@ import math
 
 from urllib.parse import urlsplit
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+from ppo_cli.engine.rewards.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
                                    open_client, probe, quote, request_json)
 from ppo_cli.recipe import SECRET_HEADER, HttpReward
 

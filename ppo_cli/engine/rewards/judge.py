@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+from ppo_cli.engine.rewards.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
                                    open_client, probe, quote, request_json)
 from ppo_cli.errors import DataError
 from ppo_cli.recipe import JudgeReward

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.data import PromptColumns
-from ppo_cli.engine.remote import RemoteScorer
-from ppo_cli.engine.reward_stream import RewardStream
-from ppo_cli.engine.reward_types import REWARD_TYPES
+from ppo_cli.engine.rewards.remote import RemoteScorer
+from ppo_cli.engine.rewards.stream import RewardStream
+from ppo_cli.engine.rewards.registry import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
 
 if TYPE_CHECKING:

@@ -53,7 +53,7 @@ class RewardStream:
 
     @staticmethod
     async def _open_client():
-        from ppo_cli.engine.remote import new_client
+        from ppo_cli.engine.rewards.remote import new_client
 
         return new_client()
 
