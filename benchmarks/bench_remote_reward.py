@@ -10,10 +10,10 @@ reward as a local Python function.
 recipes/smollm2_concise.yaml (SmolLM2-135M-Instruct with LoRA, 16 chat prompts, 96 new tokens) on
 the real model in .cache/smollm2-0.1.2 (scripts/fetch_smollm2.py), rewarded by its
 recipes/rewards/concise.py. One engine and one training state; each repeat runs one update with the
-recipe's function and one with type http, served on loopback by tests/reward_servers.py's
+recipe's function and one with type http, served on loopback by tests/fixtures/reward_servers.py's
 RewardServer, which scores with the same function after sleeping ``--delay`` seconds per request;
 the order alternates between repeats. Requests for the rows that finish early go out while the rest
-are still sampled (engine/reward_stream.py), the others before the rollout's log-prob and value
+are still sampled (engine/rewards/stream.py), the others before the rollout's log-prob and value
 forwards, so the delay is hidden behind both. Prints the median seconds per update and per rollout
 of each, their ratio, how long the rollout still waited for the server after its forwards (the
 latency not hidden), how many requests went out during sampling, the same batch scored alone (the

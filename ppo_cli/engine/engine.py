@@ -49,7 +49,7 @@ INFERENCE_MODE = True
 # per update, peak resident memory +5% (docs/benchmarks.md). A switch so the benchmark can turn it off.
 CPU_MALLOC_TUNING = True
 # One forward of a reward model that is also the frozen critic, for its scores and the critic's
-# features, instead of one each (engine/shared_reward.py; docs/benchmarks.md measures it). A switch so
+# features, instead of one each (engine/rewards/shared.py; docs/benchmarks.md measures it). A switch so
 # the benchmark and the tests can run the two forwards on the same engine.
 SHARED_REWARD_FORWARD = True
 
@@ -140,7 +140,7 @@ class Engine:
 
     def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
         """The frozen critic's features and, for the rows whose tokens the reward model reads as the
-        policy's, its scores, from one forward of the reward model (engine/shared_reward.py); None
+        policy's, its scores, from one forward of the reward model (engine/rewards/shared.py); None
         where no reward model is the critic or no row's tokens match (then the two forwards run)."""
         if self.shared_reward is None or not SHARED_REWARD_FORWARD:
             return None

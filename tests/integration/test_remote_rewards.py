@@ -1,4 +1,4 @@
-"""`ppo train` rewarded by servers on loopback (tests/reward_servers.py): learning with failing requests,
+"""`ppo train` rewarded by servers on loopback (tests/fixtures/reward_servers.py): learning with failing requests,
 a server killed mid-run then --resume, a judge end to end with secrets kept out of every file and line,
 and the math-verify example recipe."""
 

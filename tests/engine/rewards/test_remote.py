@@ -1,4 +1,4 @@
-"""type http and type judge against real servers on loopback (tests/reward_servers.py), and the faults.
+"""type http and type judge against real servers on loopback (tests/fixtures/reward_servers.py), and the faults.
 
 No model is loaded: the RewardStack is built with http/judge/function components only, so these
 run in the fast suite; every request has a timeout of at most a second.

@@ -1,4 +1,4 @@
-"""One forward of the reward model that is also the frozen critic (engine/shared_reward.py): the same
+"""One forward of the reward model that is also the frozen critic (engine/rewards/shared.py): the same
 rewards and values as its two forwards, the fallback where the reward's tokens differ, and the count."""
 
 import textwrap

@@ -1,4 +1,4 @@
-"""Reward requests sent while the batch is still being sampled (engine/reward_stream.py), against the
+"""Reward requests sent while the batch is still being sampled (engine/rewards/stream.py), against the
 loopback reward server: the same rewards as scoring after sampling, batches and max_concurrency kept,
 nothing left running when generation fails. The fast tests hand rows over as generate() would; the
 slow one samples with the tiny policy."""
