@@ -10,10 +10,10 @@ reward as a local Python function.
 recipes/smollm2_concise.yaml (SmolLM2-135M-Instruct with LoRA, 16 chat prompts, 96 new tokens) on
 the real model in .cache/smollm2-0.1.2 (scripts/fetch_smollm2.py), rewarded by its
 recipes/rewards/concise.py. One engine and one training state; each repeat runs one update with the
-recipe's function and one with type http, served on loopback by tests/reward_servers.py's
+recipe's function and one with type http, served on loopback by tests/fixtures/reward_servers.py's
 RewardServer, which scores with the same function after sleeping ``--delay`` seconds per request;
 the order alternates between repeats. Requests for the rows that finish early go out while the rest
-are still sampled (engine/reward_stream.py), the others before the rollout's log-prob and value
+are still sampled (engine/rewards/stream.py), the others before the rollout's log-prob and value
 forwards, so the delay is hidden behind both. Prints the median seconds per update and per rollout
 of each, their ratio, how long the rollout still waited for the server after its forwards (the
 latency not hidden), how many requests went out during sampling, the same batch scored alone (the
@@ -60,19 +60,19 @@ def main() -> None:
 
     import torch
 
-    from ppo_cli.engine import rewards
-    from ppo_cli.engine.rewards import RewardStack
+    from ppo_cli.engine.rewards import stack
+    from ppo_cli.engine.rewards.stack import RewardStack
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.recipe_loading import load_recipe
     from ppo_cli.trainer import init_state, train_step
     from tests.fixtures.model_cache import built_tiny_models
-    from tests.reward_servers import RewardServer
+    from tests.fixtures.reward_servers import RewardServer
 
-    from ppo_cli.engine.function_reward import load_reward_function
+    from ppo_cli.engine.rewards.function import load_reward_function
 
     waits: list[float] = []  # seconds the rollout waited on the server after its forwards
     during: list[int] = []  # requests sent while the batch was still being sampled
-    results = rewards.PendingScores.results
+    results = stack.PendingScores.results
 
     def timed_results(self):
         started = time.perf_counter()
@@ -83,7 +83,7 @@ def main() -> None:
                 waits.append(time.perf_counter() - started)
                 during.append(self.stream.sent_while_sampling if self.stream is not None else 0)
 
-    rewards.PendingScores.results = timed_results
+    stack.PendingScores.results = timed_results
     server = RewardServer().start()
     server.delay_s = args.delay
     if args.shape == "tiny":

@@ -4,7 +4,7 @@
     python benchmarks/bench_shared_reward.py [--shape tiny|wide] [--repeats 5] [--batch 64] [--tokens 24]
 
 value.kind auto with a scalar reward model on the policy's architecture and tokenizer is the frozen
-reward-model critic; engine/shared_reward.py then scores the rollout and computes the critic's
+reward-model critic; engine/rewards/shared.py then scores the rollout and computes the critic's
 features with one forward of that model (engine_module.SHARED_REWARD_FORWARD on) instead of one each (off).
 Both run on the same engine in one process, alternating, from the same seed (same samples), and the
 script prints the median seconds of the whole rollout (collect_rollout) and of its part after

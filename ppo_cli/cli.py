@@ -5,7 +5,7 @@ Every error a person can fix is a ``PpoError``; it is printed as ``error: <messa
 line and a pointer to ``--debug`` (or ``PPO_DEBUG=1``), which re-raises so the traceback shows.
 Usage errors found by Typer itself keep its exit code 2.
 
-Importing this module must not import torch (tests/test_cli.py checks): ``ppo --help`` and
+Importing this module must not import torch (tests/cli/test_cli.py checks): ``ppo --help`` and
 ``ppo validate`` stay instant, and each command imports what it needs inside its function.
 """
 

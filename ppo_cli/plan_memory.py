@@ -40,10 +40,8 @@ from ppo_cli.plan_units import DTYPE_BYTES, GB, QUANT_BYTES, Line, activation_fl
 from ppo_cli.recipe import LoraConfig, Recipe
 
 RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
-# CPU: glibc keeps the update's freed activations in the heap for reuse (ppo_cli turns off trimming,
-# engine/engine.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
-# Measured at the 0.5B shape (docs/benchmarks.md): peak RSS - live estimate = 2.2x the update's
-# activations with a frozen (LoRA) base, 0.8x when the weights train.
+# CPU: peak RSS above the live tensors, in update activations: glibc keeps the freed ones for reuse
+# (engine/engine.keep_freed_memory) and fragments (docs/benchmarks.md, "Peak memory per configuration").
 CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
 ADAMW_STATES = 2
 
@@ -284,8 +282,8 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                        f"{copies} x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
-        # The activations only: SmolLM2-135M (vocab 49152, logits 0.45 GB) peaked at 3.43 GB against a
-        # plan of 4.64 when the logits were counted in too (0.5B bench shape: vocab 1089, no difference).
+        # The activations only: counting the logits in too overestimates a large vocabulary's peak
+        # (docs/benchmarks.md, "Peak memory per configuration").
         activations = sum(l.gb for l in update if l.part.startswith("activations"))
         update.append(Line("runtime", "freed memory kept (update)", factor * activations,
                            f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
@@ -357,7 +355,7 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
                         "block whole at a time (train.fsdp_rollout: per_block)", "rollout")
         elif s.sharding == "fsdp":
             # FSDP2 gathers into buffers of its own: the process's shard stays beside the whole weights
-            # (measured at the 0.5B shape, 2 processes: 4.76 GB with train.fsdp_rollout gathered).
+            # (docs/benchmarks.md, "FSDP's freed blocks unmapped": fsdp-gathered).
             line = Line("rollout", "policy gathered for generation", weights,
                         "the whole policy, beside the process's own shard, while sampling", "rollout")
         else:

@@ -251,7 +251,7 @@ class JudgeReward(RemoteReward):
 
 
 # Adding a reward type: its schema class here (``type`` its name, ``loads_model``), listed below; its
-# scorer, checks and display name in a module of its own, one line in engine/reward_types.py's REWARD_TYPES.
+# scorer, checks and display name in a module of its own, one line in engine/rewards/registry.py's REWARD_TYPES.
 RewardComponent = Annotated[Union[ModelReward, ClassifierReward, FunctionReward, HttpReward, JudgeReward],
                             Field(discriminator="type")]
 REWARD_TYPE_NAMES = tuple(get_args(cls.model_fields["type"].annotation)[0] for cls in get_args(get_args(RewardComponent)[0]))

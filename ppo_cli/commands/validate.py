@@ -29,12 +29,12 @@ class ValidateResult:
 def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[list[str], list[str]]:
     """The one check before any model loads, for `ppo validate` and `ppo train` alike: prompts files
     (readable, not empty), model paths (a saved model, or a hub id), each reward component's files,
-    and that each reward server and judge answers (reward_checks.py). Returns the prompts and the
+    and that each reward server and judge answers (engine/rewards/checks.py). Returns the prompts and the
     held-out prompts. A reward function's module is imported (its code runs) only with
     ``import_functions``: when training asks for it, not when a recipe is validated."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
-    from ppo_cli.reward_checks import check_reward_components
+    from ppo_cli.engine.rewards.checks import check_reward_components
 
     prompts = read_recipe_prompts(recipe.data).prompts
     eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []

@@ -34,8 +34,8 @@ from ppo_cli.engine.models import (
     unwrap_causal_lm,
 )
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
-from ppo_cli.engine.rewards import RewardStack, ScoreResult
-from ppo_cli.engine.shared_reward import SharedForward, SharedRewardModel
+from ppo_cli.engine.rewards.stack import RewardStack, ScoreResult
+from ppo_cli.engine.rewards.shared import SharedForward, SharedRewardModel
 from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import Generation, Rollout
@@ -45,11 +45,11 @@ from ppo_cli.types import Generation, Rollout
 # tensors); the policy's own tensors stay out of it, they meet autograd in the update.
 INFERENCE_MODE = True
 # CPU: keep freed activation memory in the process instead of handing it back to the kernel after
-# every backward (keep_freed_memory). Measured at the 0.5B shape on 2 cores: backward 9.8 -> 5.8 s
-# per update, peak resident memory +5% (docs/benchmarks.md). A switch so the benchmark can turn it off.
+# every backward (keep_freed_memory): a faster backward for a little more peak memory (docs/benchmarks.md,
+# "Where the time goes"). A switch so the benchmark can turn it off.
 CPU_MALLOC_TUNING = True
 # One forward of a reward model that is also the frozen critic, for its scores and the critic's
-# features, instead of one each (engine/shared_reward.py; docs/benchmarks.md measures it). A switch so
+# features, instead of one each (engine/rewards/shared.py; docs/benchmarks.md measures it). A switch so
 # the benchmark and the tests can run the two forwards on the same engine.
 SHARED_REWARD_FORWARD = True
 
@@ -140,7 +140,7 @@ class Engine:
 
     def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
         """The frozen critic's features and, for the rows whose tokens the reward model reads as the
-        policy's, its scores, from one forward of the reward model (engine/shared_reward.py); None
+        policy's, its scores, from one forward of the reward model (engine/rewards/shared.py); None
         where no reward model is the critic or no row's tokens match (then the two forwards run)."""
         if self.shared_reward is None or not SHARED_REWARD_FORWARD:
             return None
@@ -346,10 +346,9 @@ def return_freed_memory() -> None:
     FSDP gathers a block's whole weights before its forward (and again in the backward) and frees them
     after, for every block, in the rollout's every decoding step and in the update. With the heap
     tuned by keep_freed_memory those frees stay resident and the heap grows past them instead of
-    reusing them: measured at the 0.5B shape with LoRA, 2 processes, each peaked at 6.4 GB (1.9 GB
-    above the live tensors in the update's forward, 1.7 GB in the rollout), 3.95 GB with this on
-    (docs/benchmarks.md); glibc's own thresholds are not enough (it raises its mmap threshold to the
-    largest block freed, so the 17 MB weights come from the heap again). Mapping each
+    reusing them (docs/benchmarks.md, "FSDP's freed blocks unmapped"); glibc's own thresholds are not
+    enough (it raises its mmap threshold to the largest block freed, so a block's weights come from the
+    heap again). Mapping each
     block of FSDP_MMAP_THRESHOLD or more on its own (a fixed threshold, with glibc's own top pad and
     trimming) unmaps it on free; the cost is the kernel faulting the pages in again at each gather.
     A no-op off glibc or with CPU_MALLOC_TUNING off.

@@ -100,7 +100,7 @@ OnFinished = Callable[[list[int], list[list[int]]], None]
 def finished_rows_watcher(prompt_width: int, stop_token_id: int, on_finished: OnFinished):
     """A transformers StoppingCriteria that never stops anything: after each decoding step it hands
     the rows that have just sampled their stop token to ``on_finished`` (reward requests go out while
-    the other rows are still decoding: engine/reward_stream.py). A finished row is padded from then
+    the other rows are still decoding: engine/rewards/stream.py). A finished row is padded from then
     on, possibly with the stop token itself, so each row is handed over once."""
     from transformers import StoppingCriteria
 

@@ -21,7 +21,7 @@ from ppo_cli.engine.models import (
     resolve_dtype,
 )
 from ppo_cli.engine.precision import check_mixed_precision, recipe_mixed_precision
-from ppo_cli.engine.rewards import RewardStack
+from ppo_cli.engine.rewards.stack import RewardStack
 from ppo_cli.engine.engine import Engine, quiet_libraries
 from ppo_cli.errors import ModelLoadError, first_line
 from ppo_cli.model_refs import ResolvedModel
@@ -63,7 +63,7 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
     read from ``source``), else the recipe's data; a reward function that needs a column they lack is
     refused here, before any model loads."""
     from ppo_cli.engine.data import recipe_prompt_columns
-    from ppo_cli.reward_checks import check_reward_components
+    from ppo_cli.engine.rewards.checks import check_reward_components
 
     check_reward_components(recipe.reward)
     quiet_libraries()

@@ -1,4 +1,4 @@
-"""Loading the four roles: policy, reference, value and (in rewards.py) reward.
+"""Loading the four roles: policy, reference, value and (in rewards/) reward.
 
 With LoRA the policy is a peft model with an adapter named ``policy``; the reference is the same
 base with adapters disabled (no second copy), and the critic can be a second adapter ``value`` on

@@ -1,22 +1,15 @@
 """Time one of the model's Linear layers in float32 and under bf16 autocast, once per machine.
 
-Whether bf16 autocast is faster on a CPU is not a property of its flags: an AMD EPYC with AVX512-BF16
-ran a 0.5B-shape PPO update 1.67x faster in bf16, an Intel Xeon with AVX512-BF16 (no AMX) 1.68x
-slower. So ``train.mixed_precision: auto`` asks the machine: this module measures, ``precision.py``
-decides. The answer is cached in a small JSON file keyed by everything it depends on (CPU model and
-its bf16/AMX flags, torch version, thread count, the layer shapes, the probe's version), so a machine
-probes each shape once.
+Whether bf16 autocast is faster on a CPU is not a property of its flags (two CPUs with AVX512-BF16 went
+opposite ways: docs/benchmarks.md, "Speed per CPU"), so ``train.mixed_precision: auto`` asks the
+machine: this module measures, ``precision.py`` decides. The answer is cached in a small JSON file keyed
+by everything it depends on (CPU model and its bf16/AMX flags, torch version, thread count, the layer
+shapes, the probe's version), so a machine probes each shape once.
 
-A probe on a busy machine measures the load, not the CPU: with as many torch threads as cores and
-another job on one of them, a parallel matmul waits for its descheduled thread, a scheduler time slice
-(4-75 ms measured) against the 0.1 ms it needs at the tiny widths. Run all float32 repeats before all bf16 ones
-(the probe before version 2) and a burst of load can land on every repeat of one side: on a 2-core AMD
-EPYC beside other jobs, 150 such probes of Linear(96 -> 384) gave fp32/bf16 ratios from 0.0075 to 179,
-and the cached 44 ms against 0.1 ms made every later run there take bf16. So the repeats alternate
-(fp32, bf16, fp32, ...), which kept the same 150 within 0.74-1.52; and since a busy machine still
-moves the ratio across precision.py's margin, an answer measured while the 1-minute load average left
-fewer idle cores than torch's threads is kept only PROVISIONAL_S: long enough for the processes of one
-run to agree, short enough that a later run measures again. (benchmarks/bench_probe_load.py.)
+The float32 and bf16 repeats alternate so that a burst of load on a busy machine slows both sides
+alike, and an answer measured while the load left fewer idle cores than torch's threads is kept only
+PROVISIONAL_S, since load still moves the ratio across precision.py's margin (docs/benchmarks.md,
+"The probe under load"; benchmarks/bench_probe_load.py).
 """
 
 from __future__ import annotations
@@ -38,8 +31,8 @@ CACHE_FILE = "precision_probe.json"
 RELEVANT_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
 UPDATE_ROWS = 256  # tokens in one update micro-batch row block: compute-bound like the update's matmuls
 DECODE_ROWS = 4  # a decode step: one token per sequence, memory-bound like generation
-# Fewer rows for wide models so the probe stays short (0.3 s at 0.5B widths on 2 cores; about 2 s at
-# 7B widths, once per machine), but not below 64: fewer rows would make the matmul memory-bound.
+# Fewer rows for wide models so the probe stays short (its cost: docs/benchmarks.md, "Speed per CPU"),
+# but not below 64: fewer rows would make the matmul memory-bound.
 MAX_UPDATE_FLOPS = 2e9
 REPEATS = 5
 PROBE_VERSION = 2  # in the cache key: entries of the probe that ran all float32 repeats first are measured again

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from tests.conftest import ROOT, tiny_overrides
-from tests.test_tracking import read_scalars
+from tests.observe.test_tracking import read_scalars
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()

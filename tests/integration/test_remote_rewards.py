@@ -1,4 +1,4 @@
-"""`ppo train` rewarded by servers on loopback (tests/reward_servers.py): learning with failing requests,
+"""`ppo train` rewarded by servers on loopback (tests/fixtures/reward_servers.py): learning with failing requests,
 a server killed mid-run then --resume, a judge end to end with secrets kept out of every file and line,
 and the math-verify example recipe."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.reward_servers import JudgeServer, RewardServer
+from tests.fixtures.reward_servers import JudgeServer, RewardServer
 
 pytestmark = pytest.mark.slow
 FUNCTION_RECIPE = ROOT / "recipes" / "tiny_function_reward.yaml"

@@ -311,7 +311,7 @@ def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
 
 
 def test_validate_reads_the_reward_file_for_the_function_name_without_running_it(tmp_path):
-    from ppo_cli.engine.function_reward import check_defines as _check_defines
+    from ppo_cli.engine.rewards.function import check_defines as _check_defines
     from ppo_cli.errors import RewardFunctionError
 
     path = tmp_path / "fn.py"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-ALGO_DIR = Path(__file__).resolve().parents[1] / "ppo_cli" / "algo"
+ALGO_DIR = Path(__file__).resolve().parents[2] / "ppo_cli" / "algo"
 ALLOWED_ROOTS = {"torch", "math", "typing", "__future__", "dataclasses"}
 
 

@@ -1,4 +1,5 @@
-"""The package's imports form floors: no cycle, and no module imports from a floor above its own.
+"""The package's imports form floors: no cycle (between modules, nor between folders), and no module
+imports from a floor above its own.
 
 The floors are declared once, in docs/architecture.md ("Import floors"), and read from there. Every
 import counts: top-level, inside a function and under ``if TYPE_CHECKING:`` alike, since a lazy import
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "ppo_cli"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 FLOOR_LINE = re.compile(r"^\s*(\d+)\s+([^:]+):\s+(.+)$")
@@ -128,9 +129,33 @@ def floor_problems(graph: dict[str, list[tuple[str, int]]], floors) -> list[str]
     return problems
 
 
+def folder_graph(graph: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
+    """The graph with each folder of the package (engine/, algo/, ...: everything under it, subfolders
+    included) made one node, 'engine/'; a module at the package's top stays a node of its own."""
+    folders = {m.split(".")[0] for m in graph if "." in m}
+
+    def node(module: str) -> str:
+        top = module.split(".")[0]
+        return f"{top}/" if top in folders else module
+
+    merged: dict[str, list[tuple[str, int]]] = {}
+    for module, targets in graph.items():
+        edges = merged.setdefault(node(module), [])
+        edges += [(node(target), line) for target, line in targets if node(target) != node(module)]
+    return merged
+
+
 def check(graph, floors) -> list[str]:
+    """Cycles between modules, else cycles between folders (a module outside engine/ that engine/
+    imports and that imports engine/ back: each import can sit on a floor of its own, yet the folder
+    is no longer a layer), then the imports up the floors."""
     cycle = find_cycle(graph)
-    return ([f"import cycle: {' -> '.join(cycle)}"] if cycle else []) + floor_problems(graph, floors)
+    if cycle:
+        problems = [f"import cycle: {' -> '.join(cycle)}"]
+    else:
+        folder_cycle = find_cycle(folder_graph(graph))
+        problems = [f"import cycle between folders: {' -> '.join(folder_cycle)}"] if folder_cycle else []
+    return problems + floor_problems(graph, floors)
 
 
 # --- the package itself ------------------------------------------------------------------------------
@@ -186,6 +211,27 @@ def test_check_finds_a_longer_cycle_through_floors_and_an_unplaced_module():
         "tools.x has no floor in docs/architecture.md",
         "errors (floor 0 leaves) imports recipe (floor 1 schema) at line 2: an import up the floors",
     ]
+
+
+def test_check_names_a_folder_that_a_module_outside_it_imports_and_is_imported_by():
+    # The loop reward_checks.py closed before it moved into engine/rewards/: every import goes down a
+    # floor (or stays on one), no module imports itself round, and yet engine/ -> reward_checks -> engine/.
+    floors = [(0, "leaves", ["errors"]), (1, "schema", ["recipe"]),
+              (2, "rewards", ["engine.reward_types", "reward_checks"]), (3, "engine", ["engine.inference"])]
+    graph = {"errors": [], "recipe": [("errors", 1)], "engine.reward_types": [("recipe", 16)],
+             "reward_checks": [("engine.reward_types", 11)], "engine.inference": [("reward_checks", 66)]}
+    assert check(graph, floors) == ["import cycle between folders: engine/ -> reward_checks -> engine/"]
+    graph["engine.reward_checks"] = graph.pop("reward_checks")  # moved inside the folder it serves
+    graph["engine.inference"] = [("engine.reward_checks", 66)]
+    floors[2] = (2, "rewards", ["engine.reward_types", "engine.reward_checks"])
+    assert check(graph, floors) == []
+
+
+def test_folder_graph_makes_each_folder_one_node_subfolders_included():
+    graph = {"recipe": [], "engine.rewards.stack": [("engine.data", 20), ("recipe", 24)], "engine.data": [],
+             "commands.train": [("engine.rewards.stack", 3), ("trainer", 4)], "trainer": [("engine.data", 9)]}
+    assert folder_graph(graph) == {"recipe": [], "engine/": [("recipe", 24)],
+                                   "commands/": [("engine/", 3), ("trainer", 4)], "trainer": [("engine/", 9)]}
 
 
 def test_check_passes_a_graph_that_only_imports_down():

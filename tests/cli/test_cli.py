@@ -20,7 +20,7 @@ from ppo_cli.cli import BUG_HINT, app, main
 from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, UsageError
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
 SUMMARY = "valid: run directory runs/minimal; num_mini_batches=2, grad_accum_steps=2, value kind=head"
 

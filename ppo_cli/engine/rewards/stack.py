@@ -1,4 +1,4 @@
-"""Rewards: the recipe's components, each scored by its type's scorer (engine/reward_types.py), their
+"""Rewards: the recipe's components, each scored by its type's scorer (engine/rewards/registry.py), their
 weights, penalties.
 
 A reward is a weighted sum of components, minus penalties (missing stop token, over-length).
@@ -7,7 +7,7 @@ component may fail to score a completion (a server that timed out, a judge answe
 function's None): its value is then None, and so is that completion's total. Components with an
 ``ascore`` coroutine (http, judge, async functions) are awaited together in a thread of their own
 while the others (reward models) score here; a rollout sends the remote ones' (http, judge) requests
-while it is still sampling (``stream``, engine/reward_stream.py).
+while it is still sampling (``stream``, engine/rewards/stream.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.data import PromptColumns
-from ppo_cli.engine.remote import RemoteScorer
-from ppo_cli.engine.reward_stream import RewardStream
-from ppo_cli.engine.reward_types import REWARD_TYPES
+from ppo_cli.engine.rewards.remote import RemoteScorer
+from ppo_cli.engine.rewards.stream import RewardStream
+from ppo_cli.engine.rewards.registry import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class RewardStack:
     def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
               known: dict[int, list] | None = None, columns: dict[str, list] | None = None,
               pending: "PendingScores | None" = None) -> ScoreResult:
-        """``known``: component index -> (B,) values already computed (engine/shared_reward.py), None
+        """``known``: component index -> (B,) values already computed (engine/rewards/shared.py), None
         for the rows that component still scores. ``columns``: the prompts' other columns, when the
         caller has them (else looked up by prompt). ``pending``: what start() sent for these rows."""
         pending = pending if pending is not None else self.start(prompts, responses, columns)

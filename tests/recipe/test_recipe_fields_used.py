@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from ppo_cli.recipe import Recipe
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ppo_cli"
+PACKAGE = Path(__file__).resolve().parents[2] / "ppo_cli"
 ROOT_NAMES = ("recipe",)  # what the whole Recipe is called where it is passed around
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ppo_cli.auto import value_kind
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
-from tests.test_recipe import BASE, error, variant, write
+from tests.recipe.test_recipe import BASE, error, variant, write
 
 GRPO = ["ppo.advantage=grpo", "generation.num_generations=4"]
 

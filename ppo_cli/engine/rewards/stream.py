@@ -28,7 +28,7 @@ CLOSE_WAIT_S = 5.0  # at most this long for cancelled requests to wind down
 
 @dataclass
 class _Component:
-    scorer: object  # a RemoteScorer (engine/remote.py)
+    scorer: object  # a RemoteScorer (engine/rewards/remote.py)
     limit: asyncio.Semaphore  # its max_concurrency, across all its batches
     queued: list[int] = field(default_factory=list)  # finished rows not yet sent
     sent: list[tuple[list[int], list[str], Future]] = field(default_factory=list)  # rows, their texts, the request
@@ -53,7 +53,7 @@ class RewardStream:
 
     @staticmethod
     async def _open_client():
-        from ppo_cli.engine.remote import new_client
+        from ppo_cli.engine.rewards.remote import new_client
 
         return new_client()
 

@@ -1,4 +1,4 @@
-"""One forward of the reward model that is also the frozen critic (engine/shared_reward.py): the same
+"""One forward of the reward model that is also the frozen critic (engine/rewards/shared.py): the same
 rewards and values as its two forwards, the fallback where the reward's tokens differ, and the count."""
 
 import textwrap
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ppo_cli.engine import engine as engine_module
-from ppo_cli.engine.rewards import RewardStack
+from ppo_cli.engine.rewards.stack import RewardStack
 from ppo_cli.engine.engine import load_engine
-from ppo_cli.engine.shared_reward import SharedRewardModel
+from ppo_cli.engine.rewards.shared import SharedRewardModel
 from ppo_cli.recipe import RewardConfig
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.types import Generation

@@ -3,7 +3,7 @@
 The template file's {prompt} and {response} are filled in (other braces are left alone) and sent as
 the user message, at temperature 0; the first number in the answer must lie in ``scale`` [low, high]
 and is mapped to (x - low) / (high - low) in [0, 1]. An answer with no such number, or a request that
-fails for good (engine/remote.py), leaves the completion without a reward (None).
+fails for good (engine/rewards/remote.py), leaves the completion without a reward (None).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+from ppo_cli.engine.rewards.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
                                    open_client, probe, quote, request_json)
 from ppo_cli.errors import DataError
 from ppo_cli.recipe import JudgeReward
@@ -78,7 +78,7 @@ class JudgeScorer(RemoteScorer):
     async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list],
                      limit=None, client=None) -> list[float | None]:
         """``limit`` and ``client``: a semaphore and an httpx client shared by several calls
-        (engine/reward_stream.py), else max_concurrency and a client of this call's own."""
+        (engine/rewards/stream.py), else max_concurrency and a client of this call's own."""
         c = self.component
         headers = {}
         if c.api_key_env:

@@ -23,7 +23,7 @@ def test_value_kind_accepts_auto_and_each_critic_kind():
 
 
 def test_reward_types_in_the_schema_are_the_registry():
-    from ppo_cli.engine.reward_types import REWARD_TYPES
+    from ppo_cli.engine.rewards.registry import REWARD_TYPES
 
     union = get_args(get_args(RewardComponent)[0])
     types = [get_args(cls.model_fields["type"].annotation)[0] for cls in union]
@@ -34,7 +34,7 @@ def test_reward_types_in_the_schema_are_the_registry():
 
 
 def test_each_reward_type_module_has_a_scorer_a_check_and_a_name():
-    from ppo_cli.engine.reward_types import REWARD_TYPES
+    from ppo_cli.engine.rewards.registry import REWARD_TYPES
 
     for name, module in REWARD_TYPES.items():
         assert isinstance(module.Scorer, type), name
@@ -44,6 +44,6 @@ def test_each_reward_type_module_has_a_scorer_a_check_and_a_name():
 
 def test_importing_the_reward_registry_and_its_checks_imports_no_torch():
     """`ppo validate` runs every type's check: the registry must not pull in torch or transformers."""
-    code = ("import sys, ppo_cli.reward_checks, ppo_cli.commands.validate; "
+    code = ("import sys, ppo_cli.engine.rewards.checks, ppo_cli.commands.validate; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'torch or transformers imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -3,7 +3,7 @@
     POST url  {"prompts": [...], "responses": [...], "columns": {"answer": [...], ...}}
          ->   {"rewards": [number | null, ...]}      one per response, null where it cannot score
 
-A request that fails for good (engine/remote.py: timeouts, 5xx after the retries) or answers wrongly
+A request that fails for good (engine/rewards/remote.py: timeouts, 5xx after the retries) or answers wrongly
 (not JSON, no "rewards" list, the wrong length) leaves every completion of its batch without a reward
 (None); so does a null or a non-finite number. With on_failure: error the first such failure stops the run.
 """
@@ -14,7 +14,7 @@ import math
 
 from urllib.parse import urlsplit
 
-from ppo_cli.engine.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
+from ppo_cli.engine.rewards.remote import (RemoteFailure, RemoteScorer, Secrets, check_credentials_transport, gather_bounded,
                                    open_client, probe, quote, request_json)
 from ppo_cli.recipe import SECRET_HEADER, HttpReward
 
@@ -49,7 +49,7 @@ class HttpScorer(RemoteScorer):
     async def ascore(self, prompts: list, responses: list[str], columns: dict[str, list],
                      limit=None, client=None) -> list[float | None]:
         """``limit`` and ``client``: a semaphore and an httpx client shared by several calls
-        (engine/reward_stream.py), else max_concurrency and a client of this call's own."""
+        (engine/rewards/stream.py), else max_concurrency and a client of this call's own."""
         c = self.component
         headers = {name: self.secrets.resolve(value, f"reward server {c.url} header '{name}'")
                    for name, value in c.headers.items()}

@@ -7,7 +7,7 @@ Each module holds everything its type means beyond the schema (recipe.py):
   responses, columns)``; ``reads_columns`` if it wants the rows' other columns, ``failure`` (its
   latest failure, one line) if it can fail;
 - ``check(component, contact_servers, import_functions)``: its files, credentials and servers, before
-  any model loads (`ppo validate`, train's preflight; reward_checks.py);
+  any model loads (`ppo validate`, train's preflight; rewards/checks.py);
 - ``display_name(component)``: its name in the metrics, logs and summary.
 
 Importing this registry imports no torch: the type modules load their models only when a scorer is built.
@@ -15,12 +15,12 @@ Importing this registry imports no torch: the type modules load their models onl
 
 from __future__ import annotations
 
-from ppo_cli.engine import function_reward, http_reward, judge, model_reward
+from ppo_cli.engine.rewards import function, http, judge, model
 
 REWARD_TYPES = {
-    "model": model_reward,
-    "classifier": model_reward,
-    "function": function_reward,
-    "http": http_reward,
+    "model": model,
+    "classifier": model,
+    "function": function,
+    "http": http,
     "judge": judge,
 }

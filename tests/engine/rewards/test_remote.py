@@ -1,4 +1,4 @@
-"""type http and type judge against real servers on loopback (tests/reward_servers.py), and the faults.
+"""type http and type judge against real servers on loopback (tests/fixtures/reward_servers.py), and the faults.
 
 No model is loaded: the RewardStack is built with http/judge/function components only, so these
 run in the fast suite; every request has a timeout of at most a second.
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from ppo_cli.engine.data import PromptColumns, PromptSet
-from ppo_cli.engine.judge import fill_template, parse_score
-from ppo_cli.engine.rewards import RewardStack
+from ppo_cli.engine.rewards.judge import fill_template, parse_score
+from ppo_cli.engine.rewards.stack import RewardStack
 from ppo_cli.errors import RewardServerError, RewardServerUnreachable
 from ppo_cli.recipe import RewardConfig
-from ppo_cli.reward_checks import check_reward_components
+from ppo_cli.engine.rewards.checks import check_reward_components
 from tests.conftest import ROOT
-from tests.reward_servers import JudgeServer, RewardServer
+from tests.fixtures.reward_servers import JudgeServer, RewardServer
 
 FAST = {"timeout_s": 1.0, "retries": 2, "retry_backoff_s": 0.01}
 RESPONSES = ["great and wonderful", "terrible and boring", "a chair", "loved it, excellent"]

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from ppo_cli.cli import app
 from ppo_cli.errors import EXIT_RUNTIME, EXIT_USAGE
 from tests.conftest import ROOT
-from tests.reward_servers import JudgeServer, RewardServer
+from tests.fixtures.reward_servers import JudgeServer, RewardServer
 
 runner = CliRunner()
 FAST = {"timeout_s": 1.0, "retries": 1, "retry_backoff_s": 0.01}

@@ -12,7 +12,7 @@ from ppo_cli.observe import RunObserver
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.runs import RunDir
 
-FIXTURE = Path(__file__).parent / "fixtures" / "recipes" / "minimal.yaml"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "recipes" / "minimal.yaml"
 
 
 def make_run(tmp_path: Path, rows: int = 0, *sets: str) -> tuple:

@@ -1,4 +1,4 @@
-"""Reward requests sent while the batch is still being sampled (engine/reward_stream.py), against the
+"""Reward requests sent while the batch is still being sampled (engine/rewards/stream.py), against the
 loopback reward server: the same rewards as scoring after sampling, batches and max_concurrency kept,
 nothing left running when generation fails. The fast tests hand rows over as generate() would; the
 slow one samples with the tiny policy."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.engine.test_remote_rewards import EXPECTED, RESPONSES, _stack, server  # noqa: F401 - the fixture
-from tests.engine.test_remote_rewards import _http as _fast_http
+from tests.engine.rewards.test_remote import EXPECTED, RESPONSES, _stack, server  # noqa: F401 - the fixture
+from tests.engine.rewards.test_remote import _http as _fast_http
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
 
@@ -100,7 +100,7 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.recipe_loading import load_recipe
     from tests.conftest import tiny_overrides
-    from tests.reward_servers import _short_positive
+    from tests.fixtures.reward_servers import _short_positive
 
     server.delay_s = 0.05
     component = {"type": "http", "url": server.score_url, "batch_size": 2, "timeout_s": 5, "retries": 0}

@@ -1,6 +1,6 @@
 """What `ppo validate` and `ppo train` check about each reward component before any model loads.
 
-Each reward type's own ``check`` (engine/reward_types.py): the files a component names (a model
+Each reward type's own ``check`` (engine/rewards/registry.py): the files a component names (a model
 reference, a function's file, a judge's template) and, for the types served from elsewhere, that the
 server answers now and that the environment holds the credentials the recipe points at. Each failure
 is one line naming the component, the file or the URL, exit code 2. Imports no torch.
@@ -8,7 +8,7 @@ is one line naming the component, the file or the URL, exit code 2. Imports no t
 
 from __future__ import annotations
 
-from ppo_cli.engine.reward_types import REWARD_TYPES
+from ppo_cli.engine.rewards.registry import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
 
 

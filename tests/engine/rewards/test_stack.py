@@ -5,9 +5,9 @@ import textwrap
 import pytest
 import torch
 
-from ppo_cli.engine.function_reward import load_reward_function
-from ppo_cli.engine.model_reward import ModelScorer
-from ppo_cli.engine.rewards import RewardStack
+from ppo_cli.engine.rewards.function import load_reward_function
+from ppo_cli.engine.rewards.model import ModelScorer
+from ppo_cli.engine.rewards.stack import RewardStack
 from ppo_cli.errors import DataError, RecipeError, RewardFunctionError
 from ppo_cli.recipe import ClassifierReward, RewardConfig
 
@@ -187,14 +187,14 @@ def test_a_causal_lm_is_no_reward_model(architecture_models, kind):
 def test_a_sequence_classifier_passes_the_score_head_check():
     from transformers import LlamaConfig
 
-    from ppo_cli.engine.model_reward import check_has_trained_score_head
+    from ppo_cli.engine.rewards.model import check_has_trained_score_head
 
     check_has_trained_score_head(LlamaConfig(architectures=["LlamaForSequenceClassification"]), "rm")
     check_has_trained_score_head(LlamaConfig(), "rm")  # no architectures saved: nothing to go on
 
 
 def test_the_smollm2_recipes_concise_reward_is_graded_by_length():
-    from ppo_cli.engine.function_reward import load_reward_function
+    from ppo_cli.engine.rewards.function import load_reward_function
     from tests.conftest import ROOT
 
     concise = load_reward_function(f"{ROOT}/recipes/rewards/concise.py:concise")

@@ -17,7 +17,7 @@ from ppo_cli.recipe_loading import (
     load_yaml_with_lines,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
 PPO_KEYS = ", ".join(PPOConfig.model_fields)
 
