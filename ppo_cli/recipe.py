@@ -579,7 +579,8 @@ TrackerName = Literal["wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive"
 
 class LoggingConfig(Section):
     tensorboard: bool = Field(
-        False, description="Write TensorBoard event files to RUN_DIR/tensorboard/ with the metrics.jsonl names (no extra package)."
+        False, description="Write TensorBoard event files to RUN_DIR/tensorboard/ with the metrics.jsonl names "
+        "(needs the tensorboard package: pip install 'ppo_cli[tensorboard]')."
     )
     trackers: list[TrackerName] = Field(
         [], description="Experiment trackers run through accelerate (each needs its own package, e.g. pip install wandb)."

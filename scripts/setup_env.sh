@@ -13,7 +13,7 @@ install_torch
 stamp="$VENV/.ppo_cli-installed"
 if needs_install "$stamp"; then
   echo "setup: installing ppo_cli and its dependencies into $VENV"
-  "$PY" -m pip install -q -e "$ROOT[dev,plot]"
+  "$PY" -m pip install -q -e "$ROOT[dev,plot,tensorboard]"
   touch "$stamp"
 fi
 export PY

@@ -1,83 +1,40 @@
-"""TensorBoard event files (built-in writer) and accelerate trackers get the metrics.jsonl names."""
+"""TensorBoard event files (accelerate's TensorBoardTracker) and accelerate's other trackers get the
+metrics.jsonl names; a resumed run's event files drop the points logged after its checkpoint."""
 
 from __future__ import annotations
 
-import struct
+import time
 from pathlib import Path
 
 import pytest
 
-from ppo_cli.errors import UsageError
+from ppo_cli.errors import EXIT_USAGE, UsageError
 from ppo_cli.recipe import LoggingConfig
-from ppo_cli.tracking import Trackers, check_trackers, crc32c, masked_crc32c, scalar_metrics
+from ppo_cli.tracking import TENSORBOARD_HINT, Trackers, check_trackers, scalar_metrics
 
-# --- a minimal reader, independent of the writer's helpers except the checksum ---------------------
-
-
-def read_records(path: Path) -> list[bytes]:
-    data, records, at = path.read_bytes(), [], 0
-    while at < len(data):
-        header = data[at : at + 8]
-        (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[at + 8 : at + 12])[0] == masked_crc32c(header), "length checksum"
-        body = data[at + 12 : at + 12 + length]
-        assert struct.unpack("<I", data[at + 12 + length : at + 16 + length])[0] == masked_crc32c(body), "data checksum"
-        records.append(body)
-        at += 16 + length
-    return records
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_fields(data: bytes) -> list[tuple[int, object]]:
-    """Protocol-buffer wire format -> [(field number, int | bytes | raw fixed bytes)]."""
-    fields, at = [], 0
+@pytest.fixture(autouse=True)
+def _no_process_state_left_behind():
+    """accelerate's tracker methods make the process-wide PartialState on first use; a later test that
+    builds an Accelerator with its own settings must find none."""
+    from accelerate.state import PartialState
 
-    def varint():
-        nonlocal at
-        shift = value = 0
-        while True:
-            byte = data[at]
-            at += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                return value
-
-    while at < len(data):
-        key = varint()
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            fields.append((number, varint()))
-        elif wire == 1:
-            fields.append((number, data[at : at + 8]))
-            at += 8
-        elif wire == 5:
-            fields.append((number, data[at : at + 4]))
-            at += 4
-        elif wire == 2:
-            length = varint()
-            fields.append((number, data[at : at + length]))
-            at += length
-        else:
-            raise AssertionError(f"unexpected wire type {wire}")
-    return fields
+    made_here = not PartialState._shared_state
+    yield
+    if made_here:
+        PartialState._reset_state()
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from every event file in ``log_dir``."""
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(log_dir.glob("events.out.tfevents.*")):
-        for record in read_records(path):
-            event = dict(parse_fields(record))
-            for number, value in parse_fields(event.get(5, b"")):
-                assert number == 1
-                summary_value = dict(parse_fields(value))
-                tag = summary_value[1].decode()
-                scalars.setdefault(tag, []).append((event[2], struct.unpack("<f", summary_value[2])[0]))
-    return scalars
+    """tag -> [(step, value)] as TensorBoard shows them: every event file in ``log_dir``, in file-name
+    order, with the points that a later file's SessionLog START purges left out."""
+    from tensorboard.backend.event_processing import event_accumulator
 
-
-def test_crc32c_matches_the_standard_check_value():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C (Castagnoli) check value
+    events = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.SCALARS: 0})  # 0: keep all
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_event_file_holds_every_metric_under_its_metrics_jsonl_name(tmp_path):
@@ -85,54 +42,81 @@ def test_event_file_holds_every_metric_under_its_metrics_jsonl_name(tmp_path):
     for step in (1, 2, 3):
         trackers.log({"step": step, "objective/kl": 0.5 * step, "eos_rate": 1.0, "health/warnings": ["eos_stuck"]}, step)
     trackers.close()
-    files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert len(files) == 1
-    first = dict(parse_fields(read_records(files[0])[0]))
-    assert first[3] == b"brain.Event:2"  # the file-version record TensorBoard expects first
-    scalars = read_scalars(tmp_path / "tensorboard")
-    assert scalars == {"objective/kl": [(1, 0.5), (2, 1.0), (3, 1.5)], "eos_rate": [(1, 1.0), (2, 1.0), (3, 1.0)]}
+    assert trackers.tensorboard_dir == tmp_path / "tensorboard"
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    # The step is the x axis, the list of warnings no scalar: neither is a tag.
+    assert read_scalars(tmp_path / "tensorboard") == {
+        "objective/kl": [(1, 0.5), (2, 1.0), (3, 1.5)], "eos_rate": [(1, 1.0), (2, 1.0), (3, 1.0)]}
 
 
-def test_tensorboard_itself_reads_the_event_file(tmp_path):
-    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+def test_each_update_is_on_disk_before_the_next(tmp_path):
+    """A run killed mid-way keeps what it logged: every log call reaches the file (flushed)."""
     trackers = Trackers(LoggingConfig(tensorboard=True), tmp_path, "run")
-    trackers.log({"step": 4, "policy/clipfrac_avg": 0.25}, 4)
+    trackers.log({"policy/clipfrac_avg": 0.25}, 4)
+    assert read_scalars(tmp_path / "tensorboard") == {"policy/clipfrac_avg": [(4, 0.25)]}
     trackers.close()
-    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert events.Tags()["scalars"] == ["policy/clipfrac_avg"]
-    assert [(e.step, e.value) for e in events.Scalars("policy/clipfrac_avg")] == [(4, 0.25)]
 
 
-def _log_then_resume(tmp_path: Path) -> None:
-    """Steps 1-5 logged, the run resumed from its checkpoint at step 3 and logged 4-6 again."""
+def _log_then_resume(tmp_path: Path, monkeypatch) -> None:
+    """Steps 1-4 logged, the run resumed from its checkpoint at step 2 and logged 3-5 again."""
+    # Event files are named after the second they are opened in, and TensorBoard reads them in name
+    # order: the resumed run's file opens a second later, as it would after loading the models.
+    now = [1_700_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
     first = Trackers(LoggingConfig(tensorboard=True), tmp_path, "run")
-    for step in range(1, 6):
+    for step in range(1, 5):
         first.log({"loss/value_avg": float(step)}, step)
     first.close()
-    second = Trackers(LoggingConfig(tensorboard=True), tmp_path, "run", resumed_at=3)
-    for step in range(4, 7):
+    now[0] += 1
+    second = Trackers(LoggingConfig(tensorboard=True), tmp_path, "run", resumed_at=2)
+    for step in range(3, 6):
         second.log({"loss/value_avg": 10.0 * step}, step)
     second.close()
 
 
-def test_a_resumed_run_starts_its_event_file_with_a_session_start(tmp_path, monkeypatch):
-    names = iter(["100", "200"])
-    monkeypatch.setattr("ppo_cli.tracking.time.time", lambda: float(next(names, "300")))
-    _log_then_resume(tmp_path)
-    first, second = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    start = dict(parse_fields(read_records(second)[1]))
-    assert start[2] == 4 and dict(parse_fields(start[7])) == {1: 1}  # SessionLog{status: START} at step 4
-
-
 def test_tensorboard_drops_the_points_logged_after_the_checkpoint(tmp_path, monkeypatch):
-    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    clock = iter(range(100, 200))
-    monkeypatch.setattr("ppo_cli.tracking.time.time", lambda: float(next(clock)))
-    _log_then_resume(tmp_path)
-    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss/value_avg")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50), (6, 60)]
+    _log_then_resume(tmp_path, monkeypatch)
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per start
+    # Steps 3 and 4 of the first run (3.0, 4.0) are gone: each step once, the resumed run's values.
+    assert read_scalars(tmp_path / "tensorboard") == {"loss/value_avg": [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]}
+
+
+def test_a_resumed_event_file_opens_with_a_session_start_at_the_first_new_step(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    _log_then_resume(tmp_path, monkeypatch)
+    first, second = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    starts = [(e.step, e.session_log.status) for e in EventFileLoader(str(second)).Load() if e.HasField("session_log")]
+    assert starts == [(3, SessionLog.START)]
+    assert not any(e.HasField("session_log") for e in EventFileLoader(str(first)).Load())  # a fresh run purges nothing
+
+
+def test_tensorboard_without_its_package_fails_before_training(monkeypatch):
+    tracking = pytest.importorskip("accelerate.tracking")
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: [])
+    with pytest.raises(UsageError) as err:
+        check_trackers(LoggingConfig(tensorboard=True))
+    assert err.value.message == "logging.tensorboard: TensorBoard event files need the tensorboard package, which is not installed"
+    assert err.value.hint == "pip install 'ppo_cli[tensorboard]'   (or: pip install tensorboard)" == TENSORBOARD_HINT
+
+
+def test_ppo_train_without_tensorboard_is_one_line_and_a_usage_exit(monkeypatch, tmp_path):
+    """Through the CLI: the error and its hint, exit code 2, no traceback, before any model loads."""
+    from typer.testing import CliRunner
+
+    from ppo_cli.cli import app
+
+    tracking = pytest.importorskip("accelerate.tracking")
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: [])
+    monkeypatch.setattr("ppo_cli.commands.validate.check_recipe_files", lambda recipe, **kwargs: ([], []))  # no files
+    recipe = ROOT / "tests" / "fixtures" / "recipes" / "minimal.yaml"
+    result = CliRunner().invoke(app, ["train", str(recipe), "--set", "logging.tensorboard=true", "--set", f"output_dir={tmp_path}"])
+    assert result.exit_code == EXIT_USAGE == 2
+    assert result.stderr.splitlines() == [
+        "error: logging.tensorboard: TensorBoard event files need the tensorboard package, which is not installed",
+        f"hint: {TENSORBOARD_HINT}"]
+    assert "Traceback" not in result.output and list(tmp_path.iterdir()) == []
 
 
 def test_nothing_is_written_when_nothing_is_asked_for(tmp_path):

@@ -84,7 +84,7 @@ def test_setup_env_takes_the_cpu_build_from_pytorchs_index_on_linux_without_cuda
     result, calls = machine.setup_env(PPO_TORCH_CPU_INDEX=cpu_index)
     assert result.returncode == 0, result.stderr
     assert _torch_installs(calls) == [f"-m pip install -q --extra-index-url {cpu_index} torch==2.13.0+cpu"]
-    assert calls[-1] == f"-m pip install -q -e {ROOT}[dev,plot]"
+    assert calls[-1] == f"-m pip install -q -e {ROOT}[dev,plot,tensorboard]"
     assert (machine.venv / ".ppo_cli-installed").exists()
 
 
