@@ -20,14 +20,13 @@ from typing import Iterator
 
 import torch
 
-from ppo_cli.algo.advantages import compute_gae, shape_rewards
 from ppo_cli.algo.aggregation import aggregate_loss
-from ppo_cli.algo.group import group_normalized_advantages, group_reward_stats, rloo_advantages
+from ppo_cli.algo.estimators import ESTIMATORS, EstimatorSettings
+from ppo_cli.algo.group import group_reward_stats
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, explained_variance
-from ppo_cli.algo.masking import global_masked_mean_var, mask_truncated_completions, masked_mean, masked_whiten
-from ppo_cli.algo.reinforce import reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages
+from ppo_cli.algo.masking import mask_truncated_completions, masked_mean
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import Distributed, configure_deepspeed, mark_accumulation_boundary
 from ppo_cli.engine.actor_critic import PolicyAndValue
@@ -40,8 +39,6 @@ from ppo_cli.perf import ModelSizes, decode_gbps, mfu, rollout_flops, update_flo
 from ppo_cli.recipe import OptimConfig, PPOConfig, Recipe
 from ppo_cli.stats import distinct_n
 from ppo_cli.types import Advantages, Rollout
-
-GRPO_EPS = 1e-4  # added to the std GRPO divides by (TRL's epsilon; verl's is 1e-6)
 
 # --- setup ---------------------------------------------------------------------------------------
 
@@ -90,56 +87,23 @@ def make_scheduler(optimizer, optim: OptimConfig, total_updates: int):
 
 def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_sum=None,
                        group_size: int = 1) -> Advantages:
-    """``reduce_sum`` sums across processes, so whitening uses the global batch's statistics.
+    """The per-token KL to the reference, then ``ppo.advantage``'s estimator (algo/estimators.py) on the
+    trained tokens. ``kl_coef`` weighs the KL in the reward (0 when ``ppo.kl_in_loss``: it is in the loss).
+    ``reduce_sum`` sums across processes, so whitening uses the global batch's statistics.
     ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
     Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
     count in no whitening statistic."""
     if rollout.logprobs is None:  # left to the update (defer_old_logprobs): the KL is in the loss, nothing here reads it
         kl = torch.zeros_like(rollout.ref_logprobs)
     else:
-        kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.response_mask, 0.0)
-    mask = rollout.train_mask
-    if ppo.critic_free:
-        return critic_free_advantages(rollout, kl, 0.0 if ppo.kl_in_loss else kl_coef, ppo, reduce_sum, group_size)
-    if ppo.kl_in_loss:
-        kl_coef = 0.0
-    rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
-    if ppo.whiten_rewards:
-        rewards = masked_whiten(rewards, mask, keep_mean=True, reduce_sum=reduce_sum)
-    advantages, returns = compute_gae(rewards, rollout.values, mask, ppo.gamma, ppo.gae_lambda)
-    if ppo.whiten_advantages:
-        advantages = masked_whiten(advantages, mask, reduce_sum=reduce_sum)
-    return Advantages(rewards, non_score_rewards, kl, advantages, returns)
-
-
-def critic_free_advantages(rollout: Rollout, kl: torch.Tensor, kl_coef: float, ppo: PPOConfig, reduce_sum,
-                           group_size: int) -> Advantages:
-    """GRPO, RLOO (a sequence advantage on every response token) or REINFORCE++ (token returns).
-    ``kl_coef`` 0 when the KL goes into the loss instead. grpo and rloo subtract the KL summed over the
-    response from the score (TRL's RLOO: rlhf_reward = score - kl_coef * kl.sum); reinforce_pp puts it
-    on every token. Groups are whole on each process (train_step repeats prompts after splitting them),
-    so only reinforce_pp's whitening needs the other processes."""
-    mask = rollout.train_mask
-    rewards, non_score_rewards = shape_rewards(rollout.scores, kl, kl_coef, mask)
-    if ppo.advantage == "reinforce_pp":
-        if group_size > 1:
-            advantages, returns = reinforce_plus_plus_baseline_advantages(
-                rollout.scores, kl, kl_coef, mask, group_size, ppo.gamma, reduce_sum)
-        else:
-            advantages, returns = reinforce_plus_plus_advantages(rollout.scores, kl, kl_coef, mask, ppo.gamma, reduce_sum)
-        return Advantages(rewards, non_score_rewards, kl, advantages, returns)
-    sequence_rewards = rollout.scores + non_score_rewards.sum(dim=1)
-    if ppo.advantage == "grpo" and ppo.scale_rewards == "batch" and reduce_sum is not None:
-        # the std of every process's scores (TRL gathers them); a constant group stays exactly 0
-        centred = group_normalized_advantages(sequence_rewards, group_size, "none")
-        _, var = global_masked_mean_var(sequence_rewards.unsqueeze(1), torch.ones_like(mask[:, :1]), reduce_sum)
-        sequence = centred / (var.sqrt() + GRPO_EPS)
-    elif ppo.advantage == "grpo":
-        sequence = group_normalized_advantages(sequence_rewards, group_size, ppo.scale_rewards, GRPO_EPS)
-    else:
-        sequence = rloo_advantages(sequence_rewards, group_size)
-    advantages = (sequence.unsqueeze(1) * mask).to(rewards.dtype)
-    return Advantages(rewards, non_score_rewards, kl, advantages, advantages)
+        kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.action_mask, 0.0)
+    settings = EstimatorSettings(
+        kl_coef=0.0 if ppo.kl_in_loss else kl_coef, gamma=ppo.gamma, lam=ppo.gae_lambda,
+        whiten_rewards=ppo.whiten_rewards, whiten_advantages=ppo.whiten_advantages,
+        scale_rewards=ppo.scale_rewards, group_size=group_size,
+    )
+    estimate = ESTIMATORS[ppo.advantage](rollout.scores, kl, rollout.values, rollout.train_mask, settings, reduce_sum)
+    return Advantages(estimate.rewards, estimate.non_score_rewards, kl, estimate.advantages, estimate.returns)
 
 
 # --- phase 3: optimise ---------------------------------------------------------------------------
@@ -183,14 +147,14 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
                                      None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
     if rollout.logprobs is None:  # the policy has not moved since the rollout: its old log-probs are these
-        old_logprobs = torch.where(gen.response_mask[rows, :T], logprobs.detach(), 0.0)
+        old_logprobs = torch.where(gen.action_mask[rows, :T], logprobs.detach(), 0.0)
         stats.old_logprobs[rows, :T] = old_logprobs
     else:
         old_logprobs = rollout.logprobs[rows, :T]
     loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
     weights = None
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
-        weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.response_mask[rows, :T],
+        weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.action_mask[rows, :T],
                                        ppo.rollout_is_clip)
     max_len = state.recipe.generation.max_new_tokens
     policy = clipped_policy_loss(logprobs, old_logprobs, adv.advantages[rows, :T], loss_mask,

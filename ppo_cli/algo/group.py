@@ -6,18 +6,21 @@ GRPOTrainer (each prompt repeated G times in a row, ``rewards.view(-1, num_gener
 OpenRLHF (``rewards.reshape(-1, n_samples_per_prompt)``). P prompts, G = ``group_size``.
 
 The advantages are per sequence, (B,); the caller broadcasts them over the response tokens
-(``advantages.unsqueeze(1)`` masked by ``response_mask``), as verl's ``compute_grpo_outcome_advantage``
+(``advantages.unsqueeze(1)`` masked by the action mask), as verl's ``compute_grpo_outcome_advantage``
 and ``compute_rloo_outcome_advantage`` (verl/trainer/ppo/core_algos.py) do.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from .masking import global_masked_mean_var
+
 SCALE_REWARDS = ("group", "batch", "none")
+GRPO_EPS = 1e-4  # added to the std GRPO divides by: TRL's epsilon (verl's is 1e-6)
 
 
 class GroupRewardStats(NamedTuple):
@@ -61,17 +64,38 @@ def _constant_groups(groups: Tensor) -> Tensor:
     return (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True))
 
 
+def batch_std(scores: Tensor, reduce_sum: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+    """Bessel-corrected std of every score of the batch, on one process or over all of them.
+
+    Args:
+        scores: (B,) this process's scores.
+        reduce_sum: tensor -> its elementwise sum over all processes; None for one process.
+
+    Returns:
+        Scalar (), the std of the concatenated scores of every process (TRL gathers them).
+    """
+    if reduce_sum is None:
+        return scores.std()
+    counted = torch.ones_like(scores, dtype=torch.bool).unsqueeze(1)  # (B, 1)
+    _, var = global_masked_mean_var(scores.unsqueeze(1), counted, reduce_sum)
+    return var.sqrt()
+
+
 def group_normalized_advantages(
-    scores: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
+    scores: Tensor,
+    group_size: int,
+    scale_rewards: str = "group",
+    eps: float = GRPO_EPS,
+    reduce_sum: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tensor:
     """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), and Dr. GRPO's.
 
     A_i = (r_i - mean_group(r)) / (std + eps), with std
         "group": the std of the prompt's G scores (GRPO; TRL's scale_rewards="group"),
-        "batch": the std of all B scores (TRL's scale_rewards="batch"),
+        "batch": the std of all B scores, of every process with ``reduce_sum`` (TRL's scale_rewards="batch"),
         "none":  no division, A_i = r_i - mean_group(r) (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783; TRL's "none",
                  verl's norm_adv_by_std_in_grpo=False).
-    std is Bessel-corrected (torch.std, as TRL and verl). eps defaults to TRL's 1e-4 (verl: 1e-6).
+    std is Bessel-corrected (torch.std, as TRL and verl). eps defaults to ``GRPO_EPS``, TRL's 1e-4.
     A group whose scores are all equal gets exactly 0 (never NaN, also when the batch std is 0).
 
     Args:
@@ -79,6 +103,8 @@ def group_normalized_advantages(
         group_size: G, completions per prompt, >= 2.
         scale_rewards: "group", "batch" or "none".
         eps: added to the std before dividing.
+        reduce_sum: with several processes, a sum across them, for "batch"'s std (``batch_std``); groups
+            are whole on each process, so "group" and "none" never need it. None for one process.
 
     Returns:
         (B,) advantages, same layout as ``scores``.
@@ -93,7 +119,7 @@ def group_normalized_advantages(
     if scale_rewards == "group":
         advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
-        advantages = advantages / (scores.std() + eps)
+        advantages = advantages / (batch_std(scores, reduce_sum) + eps)
     # Last, so that 0 / 0 (eps = 0) cannot leak a NaN out of a constant group.
     return torch.where(_constant_groups(groups), 0, advantages).reshape(-1)
 

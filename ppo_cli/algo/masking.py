@@ -1,7 +1,8 @@
 """Masked reductions: every statistic is taken over the entries a bool mask marks True.
 
-Shapes: B batch, T response length. Masks are bool and True means "counts" (``response_mask``,
-``value_mask``). Semantics follow TRL's ``trl.trainer.utils`` (``masked_mean``, ``masked_var``,
+Shapes: B batch, T response length. Masks are bool and True means "counts" (the trained tokens: the
+action mask, which may have holes where an environment's tokens sit between the policy's; a
+``value_mask``): every statistic counts the True entries only, wherever they are. Semantics follow TRL's ``trl.trainer.utils`` (``masked_mean``, ``masked_var``,
 ``masked_whiten``), except that the flag keeping the mean is ``keep_mean`` (TRL's
 ``shift_mean=False``).
 """

@@ -2,8 +2,10 @@
 
 Nothing here calls ppo_cli or torch: every statistic is an explicit loop over rows, groups and tokens,
 so a vectorisation slip in ppo_cli/algo/ (a wrong axis, a mask applied late, the wrong std) shows up
-as a mismatch in tests/algo/test_critic_free_reference.py. Masks are lists/arrays of bools; a row's
-real tokens are the positions where its mask is True.
+as a mismatch in tests/algo/test_critic_free_reference.py and tests/algo/test_estimators.py. Masks are
+lists/arrays of bools; a row's action tokens are the positions where its mask is True. A mask may have
+holes (an environment's tokens between the policy's): every per-token recursion runs over a row's
+action tokens as one sequence, listed by ``action_positions``, and writes back at their positions.
 """
 
 import math
@@ -49,21 +51,53 @@ def group_reward_stats(scores, group_size):
     return np.array(stds), sum(stds) / len(stds), zero / len(stds)
 
 
+def action_positions(mask_row):
+    """The positions of a row's action tokens, in order: the compacted sequence."""
+    return [t for t in range(len(mask_row)) if mask_row[t]]
+
+
+def shape_rewards(scores, kl, kl_coef, mask):
+    """(rewards, non_score_rewards): -kl_coef * kl_t on action tokens, the score added on the last one."""
+    batch, length = kl.shape
+    rewards, non_score = np.zeros((batch, length)), np.zeros((batch, length))
+    for b in range(batch):
+        real = action_positions(mask[b])
+        for t in real:
+            non_score[b, t] = rewards[b, t] = -kl_coef * kl[b, t]
+        if real:
+            rewards[b, real[-1]] += scores[b]
+    return rewards, non_score
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """(advantages, returns) by the GAE recursion over each row's action tokens, i indexing them."""
+    batch, length = rewards.shape
+    advantages, returns = np.zeros((batch, length)), np.zeros((batch, length))
+    for b in range(batch):
+        real = action_positions(mask[b])
+        advantage = 0.0
+        for i in reversed(range(len(real))):
+            t = real[i]
+            next_value = values[b, real[i + 1]] if i + 1 < len(real) else 0.0
+            advantage = rewards[b, t] + gamma * next_value - values[b, t] + gamma * lam * advantage
+            advantages[b, t], returns[b, t] = advantage, advantage + values[b, t]
+    return advantages, returns
+
+
 def reinforce_returns(scores, kl, kl_coef, mask, gamma):
-    """Per-token reward -kl_coef * kl_t (+ score on the last real token), discounted sum to the end."""
+    """Per-token reward -kl_coef * kl_t (+ score on the last action token), discounted sum to the end,
+    gamma once per action token: return_i = sum_{j >= i} gamma^(j - i) r_j over the compacted row."""
+    rewards, _ = shape_rewards(scores, kl, kl_coef, mask)
     batch, length = kl.shape
     returns = np.zeros((batch, length))
     for b in range(batch):
-        real = [t for t in range(length) if mask[b][t]]
-        rewards = {t: -kl_coef * kl[b, t] for t in real}
-        if real:
-            rewards[real[-1]] += scores[b]
-        for t in real:
-            returns[b, t] = sum(gamma ** (s - t) * rewards[s] for s in real if s >= t)
+        real = action_positions(mask[b])
+        for i, t in enumerate(real):
+            returns[b, t] = sum(gamma ** (j - i) * rewards[b, real[j]] for j in range(i, len(real)))
     return returns
 
 
-def whiten(values, mask, eps=1e-8):
+def whiten(values, mask, eps=1e-8, keep_mean=False):
     real = [values[b, t] for b in range(values.shape[0]) for t in range(values.shape[1]) if mask[b][t]]
     mean = sum(real) / len(real)
     var = sum((v - mean) ** 2 for v in real) / max(1, len(real) - 1)
@@ -71,7 +105,7 @@ def whiten(values, mask, eps=1e-8):
     for b in range(values.shape[0]):
         for t in range(values.shape[1]):
             if mask[b][t]:
-                out[b, t] = (values[b, t] - mean) / math.sqrt(var + eps)
+                out[b, t] = (values[b, t] - mean) / math.sqrt(var + eps) + (mean if keep_mean else 0.0)
     return out
 
 
@@ -83,6 +117,43 @@ def reinforce_plus_plus(scores, kl, kl_coef, mask, gamma):
 def reinforce_plus_plus_baseline(scores, kl, kl_coef, mask, group_size, gamma):
     centred = group_advantages(scores, group_size, "none", 0.0)
     return reinforce_plus_plus(centred, kl, kl_coef, mask, gamma)
+
+
+def gae_estimator(scores, kl, kl_coef, values, mask, gamma, lam, whiten_rewards, whiten_advantages):
+    """(rewards, non_score_rewards, advantages, returns) of PPO's estimator."""
+    rewards, non_score = shape_rewards(scores, kl, kl_coef, mask)
+    if whiten_rewards:
+        rewards = whiten(rewards, mask, keep_mean=True)
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return rewards, non_score, advantages, returns
+
+
+def sequence_estimator(name, scores, kl, kl_coef, mask, group_size, scale_rewards="group", eps=1e-4):
+    """grpo or rloo: (rewards, non_score_rewards, advantages, returns); the KL summed over the action
+    tokens joins the score, then each sequence's advantage sits on each of its action tokens."""
+    rewards, non_score = shape_rewards(scores, kl, kl_coef, mask)
+    sequence_rewards = [scores[b] + sum(non_score[b, t] for t in action_positions(mask[b])) for b in range(len(scores))]
+    if name == "grpo":
+        sequence = group_advantages(sequence_rewards, group_size, scale_rewards, eps)
+    else:
+        sequence = rloo_advantages(sequence_rewards, group_size)
+    advantages = np.zeros(kl.shape)
+    for b in range(len(scores)):
+        for t in action_positions(mask[b]):
+            advantages[b, t] = sequence[b]
+    return rewards, non_score, advantages, advantages
+
+
+def reinforce_estimator(scores, kl, kl_coef, mask, group_size, gamma):
+    """reinforce_pp: (rewards of the raw scores, non_score_rewards, advantages, returns)."""
+    rewards, non_score = shape_rewards(scores, kl, kl_coef, mask)
+    if group_size > 1:
+        advantages, returns = reinforce_plus_plus_baseline(scores, kl, kl_coef, mask, group_size, gamma)
+    else:
+        advantages, returns = reinforce_plus_plus(scores, kl, kl_coef, mask, gamma)
+    return rewards, non_score, advantages, returns
 
 
 def aggregate(loss, mask, mode, max_response_length=None):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ppo_cli.algo.advantages import shape_rewards
 from ppo_cli.algo.aggregation import LOSS_AGG_MODES, aggregate_loss
 from ppo_cli.algo.group import group_normalized_advantages, group_reward_stats, rloo_advantages
 from ppo_cli.algo.kl import kl_penalty
@@ -77,12 +78,14 @@ def test_rloo_and_group_stats_match_reference(seed):
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_plus_plus_and_baseline_match_reference(seed, gamma):
     b = random_batch(seed)
-    args = (t(b["kl"]), 0.05, t(b["mask"]))
-    advantages, returns = reinforce_plus_plus_advantages(t(b["scores"]), *args, gamma=gamma)
+    mask = t(b["mask"])
+    rewards, non_score_rewards = shape_rewards(t(b["scores"]), t(b["kl"]), 0.05, mask)
+    advantages, returns = reinforce_plus_plus_advantages(rewards, mask, gamma=gamma)
     want_advantages, want_returns = ref.reinforce_plus_plus(b["scores"], b["kl"], 0.05, b["mask"], gamma)
     close(advantages, want_advantages)
     close(returns, want_returns)
-    advantages, returns = reinforce_plus_plus_baseline_advantages(t(b["scores"]), *args, b["group_size"], gamma)
+    advantages, returns = reinforce_plus_plus_baseline_advantages(t(b["scores"]), non_score_rewards, mask,
+                                                                  b["group_size"], gamma)
     want_advantages, want_returns = ref.reinforce_plus_plus_baseline(b["scores"], b["kl"], 0.05, b["mask"],
                                                                      b["group_size"], gamma)
     close(advantages, want_advantages)

@@ -47,3 +47,12 @@ def test_importing_the_reward_registry_and_its_checks_imports_no_torch():
     code = ("import sys, ppo_cli.engine.rewards.checks, ppo_cli.commands.validate; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'torch or transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_advantage_names_in_the_schema_are_the_estimator_registry():
+    from ppo_cli.algo.estimators import ESTIMATORS
+    from ppo_cli.recipe import CRITIC_FREE, PPOConfig
+
+    names = get_args(PPOConfig.model_fields["advantage"].annotation)
+    assert list(names) == list(ESTIMATORS)
+    assert set(CRITIC_FREE) == set(ESTIMATORS) - {"gae"}  # every estimator but gae runs without values

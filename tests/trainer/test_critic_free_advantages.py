@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ppo_cli.algo.advantages import shape_rewards
 from ppo_cli.algo.reinforce import reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages
 from ppo_cli.recipe import PPOConfig
 from ppo_cli.engine.data import PromptSampler
@@ -63,11 +64,12 @@ def test_grpo_with_the_kl_in_the_reward_ranks_by_the_shaped_reward():
 def test_reinforce_pp_is_the_algo_function_with_the_group_baseline_from_two_completions(group_size):
     r = rollout()
     adv = compute_advantages(r, 0.5, PPOConfig(advantage="reinforce_pp"), group_size=group_size)
-    mask, kl = r.generation.response_mask, adv.kl
+    mask = r.generation.response_mask
+    rewards, non_score_rewards = shape_rewards(r.scores, adv.kl, 0.5, mask)
     if group_size == 1:
-        expected, returns = reinforce_plus_plus_advantages(r.scores, kl, 0.5, mask)
+        expected, returns = reinforce_plus_plus_advantages(rewards, mask)
     else:
-        expected, returns = reinforce_plus_plus_baseline_advantages(r.scores, kl, 0.5, mask, 2)
+        expected, returns = reinforce_plus_plus_baseline_advantages(r.scores, non_score_rewards, mask, 2)
     torch.testing.assert_close(adv.advantages, expected)
     torch.testing.assert_close(adv.returns, returns)
     if group_size == 2:  # returns of the centred score: prompt 1's rows hold only the KL part
