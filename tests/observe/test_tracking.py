@@ -12,7 +12,7 @@ from ppo_cli.errors import EXIT_USAGE, UsageError
 from ppo_cli.recipe import LoggingConfig
 from ppo_cli.tracking import TENSORBOARD_HINT, Trackers, check_trackers, scalar_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
