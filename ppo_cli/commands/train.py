@@ -331,7 +331,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     from ppo_cli.resource_errors import phase as memory_phase
     from ppo_cli.resume import truncate_jsonl
     from ppo_cli.runs import discard_unstarted_run
-    from ppo_cli.trainer import init_state
+    from ppo_cli.train_setup import init_state
 
     dist = Distributed.for_recipe(recipe, resumed_precision=recorded_mixed_precision(checkpoint))
     random.seed(recipe.seed)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ppo_cli.recipe_loading import load_recipe
-from ppo_cli.trainer import compute_advantages, defer_old_logprobs, init_state, optimise, train_step
+from ppo_cli.train_setup import init_state
+from ppo_cli.trainer import compute_advantages, defer_old_logprobs, optimise, train_step
 from tests.conftest import ROOT, tiny_overrides
 
 RECIPE = ROOT / "recipes" / "tiny_grpo.yaml"
