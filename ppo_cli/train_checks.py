@@ -29,7 +29,7 @@ def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
     """The first non-finite quantity of a rollout, by name, or None when all are finite."""
     mask = rollout.generation.response_mask
     values = rollout.values[mask] if rollout.values is not None else torch.zeros(0)
-    logprobs = [rollout.ref_logprobs[mask]] + ([] if rollout.logprobs is None else [rollout.logprobs[mask]])
+    logprobs = [rollout.ref_logprobs[mask]] + ([rollout.logprobs[mask]] if isinstance(rollout.logprobs, torch.Tensor) else [])
     checks = (
         ("non-finite rewards", rollout.scores),
         ("non-finite values", values),

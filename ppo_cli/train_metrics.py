@@ -28,8 +28,6 @@ class UpdateStats:
     grad_norms: list[float] = field(default_factory=list)
     optimizer_steps: int = 0
     skipped_steps: int = 0  # optimizer steps dropped for a non-finite loss or gradient
-    # (B, T) the old log-probs the first epoch computed, when the rollout left them out (defer_old_logprobs)
-    old_logprobs: torch.Tensor | None = None
 
     def add(self, **stats: torch.Tensor) -> None:
         for name, value in stats.items():

@@ -41,7 +41,7 @@ from ppo_cli.recipe import PPOConfig
 from ppo_cli.train_checks import LIKELY_CAUSES, check_rewards, find_non_finite
 from ppo_cli.train_metrics import UpdateStats, perf_metrics, rollout_metrics, update_metrics
 from ppo_cli.train_setup import TrainState
-from ppo_cli.types import Advantages, Rollout
+from ppo_cli.types import Advantages, DeferredOldLogprobs, Rollout
 
 GRPO_EPS = 1e-4  # added to the std GRPO divides by (TRL's epsilon; verl's is 1e-6)
 
@@ -91,12 +91,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
     if deferred:  # the metrics and the KL controller read the old log-probs; the advantages are unchanged
-        if stats is None:  # the update was skipped before its first forward
-            with dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
-                old_logprobs = engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size)[0]
-        else:
-            old_logprobs = stats.old_logprobs
-        rollout = rollout._replace(logprobs=old_logprobs)
+        rollout = fill_in_old_logprobs(state, rollout)
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
@@ -161,6 +156,22 @@ def defer_old_logprobs(ppo: PPOConfig, engine: Engine, episodes: int) -> bool:
             and ppo.mini_batch_size >= episodes)
 
 
+def fill_in_old_logprobs(state: TrainState, rollout: Rollout) -> Rollout:
+    """The rollout with its old log-probs as a tensor, where it left them to the update (DeferredOldLogprobs):
+    those the update's first epoch recorded, or, when the update was skipped before its first forward, a
+    forward of their own with the policy as it is (unchanged since the rollout). The one place that turns
+    deferred old log-probs into log-probs; a rollout that has them comes back as it is."""
+    deferred = rollout.logprobs
+    if not isinstance(deferred, DeferredOldLogprobs):
+        return rollout
+    if deferred.complete:
+        return rollout._replace(logprobs=deferred.logprobs)
+    recipe = state.recipe
+    with state.dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
+        logprobs = state.engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size)[0]
+    return rollout._replace(logprobs=logprobs)
+
+
 # --- phase 2: advantages -------------------------------------------------------------------------
 
 
@@ -170,7 +181,7 @@ def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_
     ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
     Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
     count in no whitening statistic."""
-    if rollout.logprobs is None:  # left to the update (defer_old_logprobs): the KL is in the loss, nothing here reads it
+    if isinstance(rollout.logprobs, DeferredOldLogprobs):  # left to the update: the KL is in the loss, nothing here reads it
         kl = torch.zeros_like(rollout.ref_logprobs)
     else:
         kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.response_mask, 0.0)
@@ -226,13 +237,11 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
     accelerator = state.dist.accelerator
     params = [p for group in optimizer.param_groups for p in group["params"]]
     batch_size, stats = len(rollout.prompts), UpdateStats()
-    if rollout.logprobs is None:
-        if ppo.mini_batch_size < batch_size:
-            raise ValueError("old log-probs left to the update need one mini-batch per epoch (defer_old_logprobs)")
-        stats.old_logprobs = torch.zeros_like(rollout.ref_logprobs)
+    if isinstance(rollout.logprobs, DeferredOldLogprobs) and ppo.mini_batch_size < batch_size:
+        raise ValueError("old log-probs left to the update need one mini-batch per epoch (defer_old_logprobs)")
     for epoch in range(ppo.ppo_epochs):
-        if epoch == 1 and stats.old_logprobs is not None:  # every episode has been through the first forward
-            rollout = rollout._replace(logprobs=stats.old_logprobs)
+        if epoch == 1:  # every episode has been through the first forward: deferred old log-probs are known
+            rollout = fill_in_old_logprobs(state, rollout)
         epoch_start = len(stats.values.get("approx_kl", []))
         order = torch.randperm(batch_size, device=state.engine.device)
         for index_in_epoch, mini_batch in enumerate(order.split(ppo.mini_batch_size)):
@@ -318,9 +327,8 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
                                      None if fixed is None else fixed[rows, :T])
     logprobs = selective_log_softmax(logits, response_ids)
-    if rollout.logprobs is None:  # the policy has not moved since the rollout: its old log-probs are these
-        old_logprobs = torch.where(gen.response_mask[rows, :T], logprobs.detach(), 0.0)
-        stats.old_logprobs[rows, :T] = old_logprobs
+    if isinstance(rollout.logprobs, DeferredOldLogprobs):  # the policy has not moved since the rollout: these are the old ones
+        old_logprobs = rollout.logprobs.take(rows, logprobs, gen.response_mask[rows, :T])
     else:
         old_logprobs = rollout.logprobs[rows, :T]
     loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
