@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ppo_cli import metric_names as names
 from ppo_cli.algo.group import group_reward_stats
 from ppo_cli.algo.losses import explained_variance
 from ppo_cli.algo.masking import masked_mean
@@ -48,32 +49,32 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
     all_mask = dist.gather(mask)
     responses = [r for part in dist.gather_objects(rollout.responses) for r in part]
     metrics = {
-        "objective/kl": kl_sum.mean().item(),
-        "objective/entropy": dist.gather((-rollout.logprobs * mask).sum(dim=1)).mean().item(),
-        "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": non_score.mean().item() + (scores.mean().item() if len(scores) else float("nan")),
-        "objective/scores": scores.mean().item() if len(scores) else float("nan"),
-        "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
-        "objective/kl_coef": kl_coef,
-        "eos_rate": dist.gather(rollout.generation.finished.float()).mean().item(),
-        "response_length": dist.gather(mask.sum(dim=1).float()).mean().item(),
-        "samples/distinct_1": distinct_n(responses, 1),
-        "samples/distinct_2": distinct_n(responses, 2),
+        names.OBJECTIVE_KL: kl_sum.mean().item(),
+        names.OBJECTIVE_ENTROPY: dist.gather((-rollout.logprobs * mask).sum(dim=1)).mean().item(),
+        names.OBJECTIVE_NON_SCORE_REWARD: non_score.mean().item(),
+        names.OBJECTIVE_RLHF_REWARD: non_score.mean().item() + (scores.mean().item() if len(scores) else float("nan")),
+        names.OBJECTIVE_SCORES: scores.mean().item() if len(scores) else float("nan"),
+        names.OBJECTIVE_SCORES_STD: scores.std().item() if len(scores) > 1 else 0.0,
+        names.OBJECTIVE_KL_COEF: kl_coef,
+        names.EOS_RATE: dist.gather(rollout.generation.finished.float()).mean().item(),
+        names.RESPONSE_LENGTH: dist.gather(mask.sum(dim=1).float()).mean().item(),
+        names.SAMPLES_DISTINCT_1: distinct_n(responses, 1),
+        names.SAMPLES_DISTINCT_2: distinct_n(responses, 2),
     }
     if rollout.values is not None:
         values, returns = dist.gather(rollout.values), dist.gather(adv.returns)
-        metrics["val/explained_variance"] = float(explained_variance(values, returns, all_mask))
-        metrics["val/mean"] = masked_mean(values, all_mask).item()
+        metrics[names.VAL_EXPLAINED_VARIANCE] = float(explained_variance(values, returns, all_mask))
+        metrics[names.VAL_MEAN] = masked_mean(values, all_mask).item()
     if group_size > 1:
         # TRL's names. A group whose completions all score the same gives them all advantage 0 (grpo, rloo).
         group_std = dist.gather(group_reward_stats(rollout.scores, group_size).group_std)
-        metrics["reward_std"] = group_std.mean().item()
-        metrics["frac_reward_zero_std"] = (group_std == 0).float().mean().item()
+        metrics[names.REWARD_STD] = group_std.mean().item()
+        metrics[names.FRAC_REWARD_ZERO_STD] = (group_std == 0).float().mean().item()
     if rollout.sampler_logprobs is not None:
         # How far the sampler's (vLLM's) distribution is from the policy's own forward, per token.
         diff = dist.gather((rollout.logprobs - rollout.sampler_logprobs).abs())[all_mask]
-        metrics["rollout/logprob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
-        metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
+        metrics[names.ROLLOUT_LOGPROB_DIFF_MEAN] = diff.mean().item() if diff.numel() else 0.0
+        metrics[names.ROLLOUT_LOGPROB_DIFF_MAX] = diff.max().item() if diff.numel() else 0.0
     metrics.update(reward_component_metrics(rollout, dist))
     return metrics
 
@@ -88,38 +89,38 @@ def reward_component_metrics(rollout: Rollout, dist: Distributed) -> dict[str, f
         failed = dist.gather(torch.tensor([v is None for v in component], dtype=torch.float64, device=device))
         values = dist.gather(torch.tensor([0.0 if v is None else v for v in component], dtype=torch.float64, device=device))
         kept = values[failed == 0]
-        metrics[f"reward/{name}"] = kept.mean().item() if len(kept) else float("nan")
+        metrics[names.reward_component(name)] = kept.mean().item() if len(kept) else float("nan")
         if name in (rollout.reward_failures or {}):
-            metrics[f"reward/failed_rate/{name}"] = failed.mean().item()
+            metrics[names.reward_component_failed_rate(name)] = failed.mean().item()
     if rollout.scored is not None:
-        metrics["reward/failed_rate"] = 1.0 - dist.gather(rollout.scored.double()).mean().item()
+        metrics[names.REWARD_FAILED_RATE] = 1.0 - dist.gather(rollout.scored.double()).mean().item()
     return metrics
 
 
 def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
     first = stats.values["ratio"][: stats.micro_batches_per_step]
     metrics = {
-        "policy/approxkl_avg": dist.mean_of(stats.mean("approx_kl")),
-        "policy/clipfrac_avg": dist.mean_of(stats.mean("clipfrac")),
+        names.POLICY_APPROXKL_AVG: dist.mean_of(stats.mean("approx_kl")),
+        names.POLICY_CLIPFRAC_AVG: dist.mean_of(stats.mean("clipfrac")),
         # by direction (TRL's clip_ratio/low_mean, high_mean): ratio below 1 - eps on A < 0, above 1 + eps_high on A > 0
-        "policy/clipfrac_low": dist.mean_of(stats.mean("clipfrac_low")),
-        "policy/clipfrac_high": dist.mean_of(stats.mean("clipfrac_high")),
-        "policy/entropy_avg": dist.mean_of(stats.mean("entropy")),
-        "loss/policy_avg": dist.mean_of(stats.mean("policy_loss")),
-        "val/ratio": dist.mean_of(stats.mean("ratio")),
+        names.POLICY_CLIPFRAC_LOW: dist.mean_of(stats.mean("clipfrac_low")),
+        names.POLICY_CLIPFRAC_HIGH: dist.mean_of(stats.mean("clipfrac_high")),
+        names.POLICY_ENTROPY_AVG: dist.mean_of(stats.mean("entropy")),
+        names.LOSS_POLICY_AVG: dist.mean_of(stats.mean("policy_loss")),
+        names.VAL_RATIO: dist.mean_of(stats.mean("ratio")),
         # Before the first optimizer step the policy is the rollout policy, so this is 1 up to numerics;
         # far from 1 means rollout and update compute log-probs differently (e.g. a missing temperature).
-        "val/ratio_first_minibatch": dist.mean_of(sum(first) / len(first)),
-        "ppo/epochs_run": stats.epochs_run,
-        "ppo/skipped_steps": stats.skipped_steps,
+        names.VAL_RATIO_FIRST_MINIBATCH: dist.mean_of(sum(first) / len(first)),
+        names.PPO_EPOCHS_RUN: stats.epochs_run,
+        names.PPO_SKIPPED_STEPS: stats.skipped_steps,
     }
     if "value_loss" in stats.values:  # a critic trained
-        metrics["loss/value_avg"] = dist.mean_of(stats.mean("value_loss"))
-        metrics["val/clipfrac_avg"] = dist.mean_of(stats.mean("value_clipfrac"))
+        metrics[names.LOSS_VALUE_AVG] = dist.mean_of(stats.mean("value_loss"))
+        metrics[names.VAL_CLIPFRAC_AVG] = dist.mean_of(stats.mean("value_clipfrac"))
     if "kl_loss" in stats.values:  # ppo.kl_penalty loss: the k3 term before kl_coef
-        metrics["loss/kl_avg"] = dist.mean_of(stats.mean("kl_loss"))
+        metrics[names.LOSS_KL_AVG] = dist.mean_of(stats.mean("kl_loss"))
     if stats.grad_norms:
-        metrics["policy/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
+        metrics[names.POLICY_GRAD_NORM] = sum(stats.grad_norms) / len(stats.grad_norms)
     return metrics
 
 
@@ -131,7 +132,7 @@ def perf_metrics(state: TrainState, generation, rollout_seconds: float, update_s
         return {}
     out = {}
     if engine.generation_seconds > 0:
-        out["perf/decode_gbps"] = decode_gbps(sizes.policy_bytes, generation.response_ids.shape[1], engine.generation_seconds)
+        out[names.PERF_DECODE_GBPS] = decode_gbps(sizes.policy_bytes, generation.response_ids.shape[1], engine.generation_seconds)
     probe = state.dist.precision.probe
     if probe is not None:
         weights = next(engine.actor_critic.policy.parameters()).dtype
@@ -139,6 +140,6 @@ def perf_metrics(state: TrainState, generation, rollout_seconds: float, update_s
         peak = probe.peak_flops("bf16" if half else "no")
         sequence_tokens = generation.sequences.numel()
         prompt_tokens, generated = int(generation.prompt_mask.sum()), int(generation.response_mask.sum())
-        out["perf/mfu_rollout"] = mfu(rollout_flops(sizes, prompt_tokens, generated, sequence_tokens), rollout_seconds, peak)
-        out["perf/mfu_update"] = mfu(update_flops(sizes, sequence_tokens, state.recipe.ppo.ppo_epochs), update_seconds, peak)
+        out[names.PERF_MFU_ROLLOUT] = mfu(rollout_flops(sizes, prompt_tokens, generated, sequence_tokens), rollout_seconds, peak)
+        out[names.PERF_MFU_UPDATE] = mfu(update_flops(sizes, sequence_tokens, state.recipe.ppo.ppo_epochs), update_seconds, peak)
     return out

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from ppo_cli import metric_names as names
 from ppo_cli.algo.advantages import compute_gae, shape_rewards
 from ppo_cli.algo.aggregation import aggregate_loss
 from ppo_cli.algo.group import group_normalized_advantages, rloo_advantages
@@ -97,16 +98,16 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
-    metrics["skipped"] = int(skip_reason is not None)
+    metrics[names.SKIPPED] = int(skip_reason is not None)
     if skip_reason is None:
         state.consecutive_skips, state.last_skip_reason = 0, None
-        state.kl_controller.update(metrics["objective/kl"], len(prompts) * dist.world_size)
+        state.kl_controller.update(metrics[names.OBJECTIVE_KL], len(prompts) * dist.world_size)
     else:
-        metrics["skip_reason"] = skip_reason
+        metrics[names.SKIP_REASON] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
-    metrics["lr"] = state.optimizer.param_groups[0]["lr"]
+    metrics[names.LR] = state.optimizer.param_groups[0]["lr"]
     if state.engine.actor_critic.critic is not None:
-        metrics["value_lr"] = state.optimizer.param_groups[1]["lr"]
+        metrics[names.VALUE_LR] = state.optimizer.param_groups[1]["lr"]
     state.scheduler.step()
     state.step += 1
     state.episodes += len(prompts)
@@ -114,16 +115,16 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     seconds = time.perf_counter() - started
     generated_tokens = float(rollout.generation.response_mask.sum())
     metrics.update({
-        "step": state.step,
-        "episode": state.episodes * dist.world_size,
-        "time/rollout_s": rollout_seconds,
-        "time/update_s": seconds - rollout_seconds,
-        "time/step_s": seconds,
+        names.STEP: state.step,
+        names.EPISODE: state.episodes * dist.world_size,
+        names.TIME_ROLLOUT_S: rollout_seconds,
+        names.TIME_UPDATE_S: seconds - rollout_seconds,
+        names.TIME_STEP_S: seconds,
         # this process's CPU seconds, all threads: the speed figure on a shared machine, where wall time waits
-        "time/step_cpu_s": time.process_time() - cpu_started,
-        "tokens_per_s": generated_tokens / seconds,
+        names.TIME_STEP_CPU_S: time.process_time() - cpu_started,
+        names.TOKENS_PER_S: generated_tokens / seconds,
         **perf_metrics(state, rollout.generation, rollout_seconds, seconds - rollout_seconds),
-        **{f"memory/{phase}_peak_gb": gb for phase, gb in peaks.items()},
+        **{names.memory_peak_gb(phase): gb for phase, gb in peaks.items()},
     })
     for phase, gb in peaks.items():
         state.memory_peaks[phase] = max(state.memory_peaks.get(phase, 0.0), gb)
