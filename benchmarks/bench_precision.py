@@ -60,7 +60,8 @@ def speed(args) -> None:
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.data import read_recipe_prompts
     from ppo_cli.engine.engine import load_engine
-    from ppo_cli.trainer import init_state, train_step
+    from ppo_cli.train_setup import init_state
+    from ppo_cli.trainer import train_step
 
     recipe = recipe_for(args.models, args)
     prompts = read_recipe_prompts(recipe.data).prompts

@@ -64,7 +64,8 @@ def main() -> None:
     from ppo_cli.engine.rewards.stack import RewardStack
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.recipe_loading import load_recipe
-    from ppo_cli.trainer import init_state, train_step
+    from ppo_cli.train_setup import init_state
+    from ppo_cli.trainer import train_step
     from tests.fixtures.model_cache import built_tiny_models
     from tests.fixtures.reward_servers import RewardServer
 

@@ -63,6 +63,7 @@ def _trace_phases() -> None:
 
     import ppo_cli.commands.train as train_cmd
     import ppo_cli.engine.engine as engine_module
+    import ppo_cli.train_setup as train_setup
     import ppo_cli.trainer as trainer
     import ppo_cli.checkpoint as checkpoint
 
@@ -82,7 +83,7 @@ def _trace_phases() -> None:
 
         setattr(module, name, wrapper)
 
-    for module, name in ((engine_module, "load_engine"), (trainer, "init_state"), (trainer, "train_step"),
+    for module, name in ((engine_module, "load_engine"), (train_setup, "init_state"), (trainer, "train_step"),
                          (train_cmd, "_evaluate_before"), (train_cmd, "evaluate"), (train_cmd, "_finish"),
                          (checkpoint, "gathered_model_state")):
         traced(module, name)

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from ppo_cli import trainer
+    from ppo_cli import train_setup, trainer
     from ppo_cli.engine import logprobs as lp
     from ppo_cli.engine import engine as engine_module
     from ppo_cli.recipe_loading import load_recipe
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     engine = engine_module.load_engine(recipe)
-    state = trainer.init_state(engine, [line.strip() for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()])
+    state = train_setup.init_state(engine, [line.strip() for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()])
     if "fused_adamw" in levers_off:
         torch.optim.AdamW = original_adamw
     load_s, after_load, peak_after_load = time.perf_counter() - started, rss_gb(), peak_gb()

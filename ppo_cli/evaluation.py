@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ppo_cli.metric_names import (
+    HELD_OUT_EOS_RATE, HELD_OUT_KL, HELD_OUT_RESPONSE_LENGTH, HELD_OUT_REWARD_FAILED, HELD_OUT_SCORE,
+)
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
 
@@ -188,8 +191,8 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
                                 hint="check that the reward server or judge answers; checkpoints written so far are intact (--resume)")
     summary = summarize_rows(rows)
     return {
-        "score": summary["reward"]["mean"], "reward_failed": summary["reward_failed"], "eos_rate": summary["eos_rate"],
-        "response_length": summary["response_length"], "kl": summary["kl"],
+        HELD_OUT_SCORE: summary["reward"]["mean"], HELD_OUT_REWARD_FAILED: summary["reward_failed"],
+        HELD_OUT_EOS_RATE: summary["eos_rate"], HELD_OUT_RESPONSE_LENGTH: summary["response_length"], HELD_OUT_KL: summary["kl"],
         "samples": [{"prompt": r["prompt"], "response": r["response"], "score": r["reward"], "finished": r["finished"]}
                     for r in rows],
     }

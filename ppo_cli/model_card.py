@@ -11,16 +11,17 @@ from pathlib import Path
 
 import yaml
 
+from ppo_cli.metric_names import HELD_OUT_EOS_RATE, HELD_OUT_KL, HELD_OUT_RESPONSE_LENGTH, HELD_OUT_SCORE
 from ppo_cli.model_refs import HUB_ID, gguf_location, is_gguf
 
 TAGS = ["ppo_cli", "ppo", "rlhf", "reinforcement-learning"]
 
 # (summary key, row label, format) of the before/after table; summary.json's before/after carry them.
 RESULT_ROWS = (
-    ("score", "mean reward", "{:+.3f}"),
-    ("eos_rate", "EOS rate", "{:.0%}"),
-    ("response_length", "mean length (tokens)", "{:.1f}"),
-    ("kl", "KL to the reference (nats per response)", "{:.3f}"),
+    (HELD_OUT_SCORE, "mean reward", "{:+.3f}"),
+    (HELD_OUT_EOS_RATE, "EOS rate", "{:.0%}"),
+    (HELD_OUT_RESPONSE_LENGTH, "mean length (tokens)", "{:.1f}"),
+    (HELD_OUT_KL, "KL to the reference (nats per response)", "{:.3f}"),
 )
 
 

@@ -32,24 +32,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
+from ppo_cli.metric_names import (
+    EOS_RATE, FRAC_REWARD_ZERO_STD, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_SCORES, POLICY_APPROXKL_AVG,
+    POLICY_CLIPFRAC_AVG, POLICY_ENTROPY_AVG, REWARD_FAILED_RATE, RESPONSE_LENGTH, SAMPLES_DISTINCT_1,
+    VAL_RATIO_FIRST_MINIBATCH,
+)
 from ppo_cli.recipe import MonitorConfig
 
-# The metrics the rules read (names as in metrics.jsonl; trainer.py writes them).
-CLIPFRAC = "policy/clipfrac_avg"
-APPROX_KL = "policy/approxkl_avg"
-KL = "objective/kl"
-KL_COEF = "objective/kl_coef"
-VALUE_LOSS = "loss/value_avg"
-ENTROPY = "policy/entropy_avg"
-SCORES = "objective/scores"
-DISTINCT = "samples/distinct_1"
-EOS_RATE = "eos_rate"
-RATIO_FIRST = "val/ratio_first_minibatch"
-LENGTH = "response_length"
-ZERO_STD_GROUPS = "frac_reward_zero_std"  # generation.num_generations >= 2 only
-REWARD_FAILED = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
-WATCHED = (CLIPFRAC, APPROX_KL, KL, KL_COEF, VALUE_LOSS, ENTROPY, SCORES, DISTINCT, EOS_RATE, RATIO_FIRST, LENGTH,
-           ZERO_STD_GROUPS, REWARD_FAILED)
+# The metrics the rules read.
+WATCHED = (POLICY_CLIPFRAC_AVG, POLICY_APPROXKL_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, LOSS_VALUE_AVG, POLICY_ENTROPY_AVG,
+           OBJECTIVE_SCORES, SAMPLES_DISTINCT_1, EOS_RATE, VAL_RATIO_FIRST_MINIBATCH, RESPONSE_LENGTH,
+           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -165,7 +158,7 @@ def rule(rule_id: str, cause: str, fix: str) -> Callable[[Check], Check]:
     fix="lower optim.lr by 2x, or cut ppo.ppo_epochs (e.g. from 4 to 2)",
 )
 def _clipfrac_high(h: History, c: MonitorConfig):
-    values = h.window_of(CLIPFRAC)
+    values = h.window_of(POLICY_CLIPFRAC_AVG)
     if values is not None and mean(values) > c.clipfrac_high:
         return mean(values), f"clip fraction {mean(values):.2f} over the last {len(values)} updates is above {c.clipfrac_high:g}"
     return None
@@ -178,7 +171,7 @@ def _clipfrac_high(h: History, c: MonitorConfig):
     fix="raise optim.lr carefully (2x) or widen data.prompts; if the reward is at its ceiling, stop the run here",
 )
 def _clipfrac_low(h: History, c: MonitorConfig):
-    values, scores = h.window_of(CLIPFRAC), h.window_of(SCORES)
+    values, scores = h.window_of(POLICY_CLIPFRAC_AVG), h.window_of(OBJECTIVE_SCORES)
     if values is None or scores is None or mean(values) >= c.clipfrac_low or kendall_tau(scores) >= c.trend:
         return None
     return mean(values), (
@@ -194,7 +187,7 @@ def _clipfrac_low(h: History, c: MonitorConfig):
     fix="lower optim.lr by 2x, use fewer ppo.ppo_epochs, or set ppo.max_kl (e.g. 0.1) to stop the epochs early",
 )
 def _approx_kl_high(h: History, c: MonitorConfig):
-    values = h.window_of(APPROX_KL)
+    values = h.window_of(POLICY_APPROXKL_AVG)
     if values is not None and mean(values) > c.approx_kl_high:
         return mean(values), f"approx-KL {mean(values):.3f} per update over the last {len(values)} updates is above {c.approx_kl_high:g}"
     return None
@@ -209,12 +202,12 @@ def _approx_kl_high(h: History, c: MonitorConfig):
 def _kl_growing(h: History, c: MonitorConfig):
     # KL always rises from 0 at first and usually levels off; "without bound" is a rise that goes on
     # after the first window and has carried KL well past the level it had reached by then.
-    values, start = h.window_of(KL, skip_first_window=True), h.start_level(KL)
+    values, start = h.window_of(OBJECTIVE_KL, skip_first_window=True), h.start_level(OBJECTIVE_KL)
     if values is None or start is None:
         return None
     now = recent_half_mean(values)
     if kendall_tau(values) >= c.trend and now > c.kl_zero and now >= c.kl_growth * max(start, 0.0):
-        note = "; ppo.kl_coef is 0, so nothing holds the policy back" if h.latest(KL_COEF) == 0 else ""
+        note = "; ppo.kl_coef is 0, so nothing holds the policy back" if h.latest(OBJECTIVE_KL_COEF) == 0 else ""
         return now, (
             f"KL to the reference keeps rising: {now:.2f} nats now, {now / max(start, 1e-12):.1f}x the {start:.2f} "
             f"it had reached by update {h.window}{note}"
@@ -230,12 +223,12 @@ def _kl_growing(h: History, c: MonitorConfig):
     fix="raise ppo.kl_coef (or set ppo.adaptive_kl with a target KL), or lower optim.lr",
 )
 def _kl_high(h: History, c: MonitorConfig):
-    kl, length = h.window_of(KL), h.window_of(LENGTH)
+    kl, length = h.window_of(OBJECTIVE_KL), h.window_of(RESPONSE_LENGTH)
     if kl is None or length is None or mean(length) <= 0:
         return None
     per_token = mean(kl) / mean(length)
     if per_token > c.kl_per_token_high:
-        note = "; ppo.kl_coef is 0" if h.latest(KL_COEF) == 0 else ""
+        note = "; ppo.kl_coef is 0" if h.latest(OBJECTIVE_KL_COEF) == 0 else ""
         return per_token, (
             f"KL to the reference is {per_token:.2f} nats per response token over the last {len(kl)} updates "
             f"({mean(kl):.1f} nats per response), above {c.kl_per_token_high:g}{note}"
@@ -251,7 +244,7 @@ def _kl_high(h: History, c: MonitorConfig):
     "switching); if optim.lr is tiny, raise it",
 )
 def _kl_zero(h: History, c: MonitorConfig):
-    values = h.window_of(KL)
+    values = h.window_of(OBJECTIVE_KL)
     if values is not None and h.seen > h.window and max(abs(v) for v in values) < c.kl_zero:
         peak = max(abs(v) for v in values)
         return peak, f"KL to the reference stayed below {c.kl_zero:g} nats for the last {len(values)} updates"
@@ -266,10 +259,10 @@ def _kl_zero(h: History, c: MonitorConfig):
     "or lower ppo.vf_coef",
 )
 def _value_loss_rising(h: History, c: MonitorConfig):
-    latest = h.latest(VALUE_LOSS)
+    latest = h.latest(LOSS_VALUE_AVG)
     if latest is not None and not math.isfinite(latest):
         return latest, f"the value loss is {latest}"
-    values, lowest = h.window_of(VALUE_LOSS, skip_first_window=True), h.lowest_mean.get(VALUE_LOSS)
+    values, lowest = h.window_of(LOSS_VALUE_AVG, skip_first_window=True), h.lowest_mean.get(LOSS_VALUE_AVG)
     if values is None or lowest is None:
         return None
     now = recent_half_mean(values)
@@ -288,7 +281,7 @@ def _value_loss_rising(h: History, c: MonitorConfig):
     fix="raise ppo.kl_coef, add an entropy bonus (ppo.entropy_coef, e.g. 0.01), or lower optim.lr",
 )
 def _entropy_collapse(h: History, c: MonitorConfig):
-    values, start = h.window_of(ENTROPY), h.first[ENTROPY][:BASELINE_UPDATES]
+    values, start = h.window_of(POLICY_ENTROPY_AVG), h.first[POLICY_ENTROPY_AVG][:BASELINE_UPDATES]
     if values is None or len(start) < BASELINE_UPDATES:
         return None
     baseline = mean(start)
@@ -308,14 +301,14 @@ def _entropy_collapse(h: History, c: MonitorConfig):
     fix="read the latest samples.jsonl; raise ppo.kl_coef, and fix the reward (penalise the pattern) if it is exploited",
 )
 def _reward_hacking(h: History, c: MonitorConfig):
-    scores, distinct = h.window_of(SCORES), h.window_of(DISTINCT)
+    scores, distinct = h.window_of(OBJECTIVE_SCORES), h.window_of(SAMPLES_DISTINCT_1)
     if scores is None or distinct is None:
         return None
-    start, now = mean(h.first[DISTINCT]), recent_half_mean(distinct)  # the start: the run's first window
+    start, now = mean(h.first[SAMPLES_DISTINCT_1]), recent_half_mean(distinct)  # the start: the run's first window
     if kendall_tau(scores) >= c.trend and kendall_tau(distinct) <= -c.trend and now <= (1 - c.distinct_drop) * start:
         return now, (
             f"the reward keeps rising while distinct-1 of the responses keeps falling: {now:.2f} now, "
-            f"{start:.2f} over the first {len(h.first[DISTINCT])} updates"
+            f"{start:.2f} over the first {len(h.first[SAMPLES_DISTINCT_1])} updates"
         )
     return None
 
@@ -343,7 +336,7 @@ def _eos_stuck(h: History, c: MonitorConfig):
     "or harder prompts in data.prompts",
 )
 def _groups_without_signal(h: History, c: MonitorConfig):
-    values = h.window_of(ZERO_STD_GROUPS)
+    values = h.window_of(FRAC_REWARD_ZERO_STD)
     if values is not None and mean(values) > c.zero_std_groups_high:
         return mean(values), (
             f"{mean(values):.0%} of the prompt groups scored all their completions the same over the last "
@@ -362,7 +355,7 @@ def _groups_without_signal(h: History, c: MonitorConfig):
     "monitor.reward_failed_high sets the share tolerated without a warning",
 )
 def _reward_failures(h: History, c: MonitorConfig):
-    value = h.latest(REWARD_FAILED)
+    value = h.latest(REWARD_FAILED_RATE)
     if value is not None and value > c.reward_failed_high:
         return value, f"{value:.0%} of the completions got no reward at the last update (above {c.reward_failed_high:g})"
     return None
@@ -376,7 +369,7 @@ def _reward_failures(h: History, c: MonitorConfig):
     "check the attention mask of the update forward",
 )
 def _ratio_mismatch(h: History, c: MonitorConfig):
-    values = h.recent(RATIO_FIRST, min(RATIO_UPDATES, h.window))
+    values = h.recent(VAL_RATIO_FIRST_MINIBATCH, min(RATIO_UPDATES, h.window))
     if values is not None and abs(mean(values) - 1.0) > c.ratio_tolerance:
         return mean(values), (
             f"the policy ratio before the first optimizer step is {mean(values):.3f} (mean of the last "

@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Callable
 
 from ppo_cli.errors import PpoError
+from ppo_cli.metric_names import HEALTH_WARNINGS, STEP
 from ppo_cli.monitor import HealthMonitor
 from ppo_cli.plots import plot_run, read_metrics
 from ppo_cli.recipe import Recipe
 from ppo_cli.runs import RunDir
 from ppo_cli.tracking import Trackers
-
-HEALTH_METRIC = "health/warnings"
-
 
 class RunObserver:
     def __init__(self, recipe: Recipe, run_dir: RunDir, resumed_at: int = 0,
@@ -37,14 +35,14 @@ class RunObserver:
             # Rebuild the windows from the metrics already logged, quietly: a resumed run keeps its
             # warnings' history (exact when train.log_every is 1).
             for row in read_metrics(run_dir.metrics):
-                if isinstance(row.get("step"), int) and row["step"] <= resumed_at:
-                    self.monitor.observe(row, row["step"])
+                if isinstance(row.get(STEP), int) and row[STEP] <= resumed_at:
+                    self.monitor.observe(row, row[STEP])
         self.trackers = Trackers(recipe.logging, run_dir.path, recipe.name, recipe.model_dump(mode="json"), resumed_at)
 
     def observe(self, metrics: dict, step: int) -> None:
         for warning in self.monitor.observe(metrics, step):
             self.show("warning", asdict(warning))
-        metrics[HEALTH_METRIC] = list(self.monitor.active)
+        metrics[HEALTH_WARNINGS] = list(self.monitor.active)
 
     def log(self, metrics: dict, step: int) -> None:
         self.trackers.log(metrics, step)

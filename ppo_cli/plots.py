@@ -17,6 +17,10 @@ from pathlib import Path
 import yaml
 
 from ppo_cli.errors import PpoError, UsageError
+from ppo_cli.metric_names import (
+    EOS_RATE, HEALTH_WARNINGS, LOSS_POLICY_AVG, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_RLHF_REWARD, OBJECTIVE_SCORES,
+    POLICY_CLIPFRAC_AVG, RESPONSE_LENGTH, REWARD_FAILED_RATE, STEP,
+)
 from ppo_cli.recipe import MonitorConfig
 from ppo_cli.runs import RunDir, temp_file_beside
 
@@ -49,7 +53,7 @@ def _number(value) -> float:
 
 def series(rows: list[dict], name: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that have ``name``."""
-    pairs = [(float(r["step"]), _number(r[name])) for r in rows if name in r and "step" in r]
+    pairs = [(float(r[STEP]), _number(r[name])) for r in rows if name in r and STEP in r]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
@@ -73,8 +77,8 @@ def first_warnings(rows: list[dict]) -> dict[str, int]:
     """Each health rule that fired -> the first update where it was active."""
     first: dict[str, int] = {}
     for row in rows:
-        for rule in row.get("health/warnings") or ():
-            first.setdefault(rule, int(row.get("step", 0)))
+        for rule in row.get(HEALTH_WARNINGS) or ():
+            first.setdefault(rule, int(row.get(STEP, 0)))
     return first
 
 
@@ -89,13 +93,13 @@ def _clipfrac_band(run_dir: Path) -> tuple[float, float]:
 
 # (title, y label, [(metric, legend label)], options)
 PANELS = (
-    ("Mean reward", "score", [("objective/scores", "score"), ("objective/rlhf_reward", "score − β·KL")], {}),
-    ("Policy and value loss", "policy loss", [("loss/policy_avg", "policy loss")], {"twin": ("loss/value_avg", "value loss")}),
-    ("KL to the reference", "KL (nats per response)", [("objective/kl", "KL")], {"floor": 0.0}),
+    ("Mean reward", "score", [(OBJECTIVE_SCORES, "score"), (OBJECTIVE_RLHF_REWARD, "score − β·KL")], {}),
+    ("Policy and value loss", "policy loss", [(LOSS_POLICY_AVG, "policy loss")], {"twin": (LOSS_VALUE_AVG, "value loss")}),
+    ("KL to the reference", "KL (nats per response)", [(OBJECTIVE_KL, "KL")], {"floor": 0.0}),
     # a run whose rewards can fail (functions, servers, judges) also draws the share left without one
-    ("EOS rate", "share of responses", [("eos_rate", "EOS rate"), ("reward/failed_rate", "without a reward")], {"percent": True}),
-    ("Clip fraction", "fraction of tokens clipped", [("policy/clipfrac_avg", "clip fraction")], {"band": True, "floor": 0.0}),
-    ("Response length", "tokens", [("response_length", "mean length")], {"floor": 0.0}),
+    ("EOS rate", "share of responses", [(EOS_RATE, "EOS rate"), (REWARD_FAILED_RATE, "without a reward")], {"percent": True}),
+    ("Clip fraction", "fraction of tokens clipped", [(POLICY_CLIPFRAC_AVG, "clip fraction")], {"band": True, "floor": 0.0}),
+    ("Response length", "tokens", [(RESPONSE_LENGTH, "mean length")], {"floor": 0.0}),
 )
 COLORS = ("tab:blue", "tab:green", "tab:orange", "tab:purple")
 
@@ -148,7 +152,7 @@ def plot_run(run_dir: str | Path) -> Path:
         raise UsageError(f"run directory not found: {run.path}", hint="give a directory written by `ppo train`, e.g. runs/NAME")
     if not run.metrics.exists():
         raise UsageError(f"{run.path} has no metrics.jsonl", hint="give a directory written by `ppo train`, e.g. runs/NAME")
-    rows = [row for row in read_metrics(run.metrics) if "step" in row]
+    rows = [row for row in read_metrics(run.metrics) if STEP in row]
     if not rows:
         raise UsageError(f"{run.metrics} has no updates yet", hint="plot again once training has logged an update")
     try:

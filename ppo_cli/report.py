@@ -11,22 +11,27 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ppo_cli.metric_names import (
+    EOS_RATE, HELD_OUT_EOS_RATE, HELD_OUT_KL, HELD_OUT_RESPONSE_LENGTH, HELD_OUT_SCORE, LOSS_VALUE_AVG, OBJECTIVE_KL,
+    OBJECTIVE_SCORES, POLICY_CLIPFRAC_AVG, RESPONSE_LENGTH, REWARD_FAILED_RATE, STEP,
+)
+
 console = Console(stderr=False, highlight=False)
 
 KEY_METRICS = (
-    ("objective/scores", "score", "{:+.2f}"),
-    ("eos_rate", "eos", "{:.0%}"),
-    ("objective/kl", "kl", "{:.2f}"),
-    ("policy/clipfrac_avg", "clip", "{:.2f}"),
-    ("loss/value_avg", "vf", "{:.3f}"),
-    ("response_length", "len", "{:.1f}"),
+    (OBJECTIVE_SCORES, "score", "{:+.2f}"),
+    (EOS_RATE, "eos", "{:.0%}"),
+    (OBJECTIVE_KL, "kl", "{:.2f}"),
+    (POLICY_CLIPFRAC_AVG, "clip", "{:.2f}"),
+    (LOSS_VALUE_AVG, "vf", "{:.3f}"),
+    (RESPONSE_LENGTH, "len", "{:.1f}"),
 )
 
 
 def metrics_line(metrics: dict) -> str:
     line = "  ".join(fmt.format(metrics[key]).join((f"{label} ", "")) for key, label, fmt in KEY_METRICS if key in metrics)
-    if metrics.get("reward/failed_rate"):  # episodes without a reward left the update
-        line += f"  no reward {metrics['reward/failed_rate']:.0%}"
+    if metrics.get(REWARD_FAILED_RATE):  # episodes without a reward left the update
+        line += f"  no reward {metrics[REWARD_FAILED_RATE]:.0%}"
     return line
 
 
@@ -52,9 +57,9 @@ class TrainProgress:
 
     def update(self, metrics: dict) -> None:
         line = metrics_line(metrics)
-        self.progress.update(self.task, completed=metrics["step"], line=line)
-        if not self.interactive and metrics["step"] % self.log_every == 0:
-            console.print(f"update {metrics['step']}/{self.progress.tasks[0].total}  {line}")
+        self.progress.update(self.task, completed=metrics[STEP], line=line)
+        if not self.interactive and metrics[STEP] % self.log_every == 0:
+            console.print(f"update {metrics[STEP]}/{self.progress.tasks[0].total}  {line}")
             sys.stdout.flush()
 
 
@@ -110,9 +115,10 @@ def _before_after(summary: dict):
                   title_justify="left", title_style="bold")
     for name, justify in (("", "left"), ("before", "right"), ("after", "right"), ("change", "right")):
         table.add_column(name, justify=justify)
-    for label, key, fmt, change in (("mean reward", "score", "{:+.3f}", "{:+.3f}"), ("EOS rate", "eos_rate", "{:.0%}", "{:+.0%}"),
-                                    ("response length", "response_length", "{:.1f}", "{:+.1f}"),
-                                    ("KL to reference", "kl", "{:.3f}", "{:+.3f}")):
+    for label, key, fmt, change in (("mean reward", HELD_OUT_SCORE, "{:+.3f}", "{:+.3f}"),
+                                    ("EOS rate", HELD_OUT_EOS_RATE, "{:.0%}", "{:+.0%}"),
+                                    ("response length", HELD_OUT_RESPONSE_LENGTH, "{:.1f}", "{:+.1f}"),
+                                    ("KL to reference", HELD_OUT_KL, "{:.3f}", "{:+.3f}")):
         if key in before and key in after:
             table.add_row(label, fmt.format(before[key]), fmt.format(after[key]), change.format(after[key] - before[key]))
     return table

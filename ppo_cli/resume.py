@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ppo_cli.errors import CheckpointError, UsageError
+from ppo_cli.metric_names import STEP
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.runs import RunDir, atomic_write_text
@@ -108,5 +109,5 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+            if line.strip() and json.loads(line).get(STEP, 0) <= last_step]
     atomic_write_text(path, "".join(kept))

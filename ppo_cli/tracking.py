@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ppo_cli.errors import UsageError
+from ppo_cli.metric_names import STEP
 from ppo_cli.recipe import LoggingConfig
 
 TENSORBOARD_DIR = "tensorboard"
@@ -66,7 +67,7 @@ def scalar_metrics(metrics: Mapping[str, object]) -> dict[str, float]:
     health/warnings) and NaN are left out."""
     return {
         name: float(value) for name, value in metrics.items()
-        if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if name != STEP and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     }
 
 

@@ -40,13 +40,43 @@ class Generation(NamedTuple):
         return self.response_mask.sum(dim=1)
 
 
+class DeferredOldLogprobs:
+    """Old log-probs a rollout left to the update (trainer.defer_old_logprobs), in Rollout.logprobs' place.
+
+    Where nothing reads them before the update and the policy cannot move before each episode's first
+    forward in it, that forward's log-probs are the old ones. Each micro-batch of the first epoch hands its
+    log-probs to ``take``, which records them; trainer.fill_in_old_logprobs, the one place that turns this
+    back into a tensor, reads them once every episode is recorded (or runs the forward itself when the
+    update was skipped before any). Never read as log-probs before that.
+    """
+
+    def __init__(self, like: torch.Tensor):
+        self.logprobs = torch.zeros_like(like)  # (B, T) as Rollout.logprobs once recorded: 0 outside action_mask
+        self.recorded = torch.zeros(like.shape[0], dtype=torch.bool, device=like.device)  # (B,) rows taken so far
+
+    def take(self, rows: torch.Tensor, logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+        """The old log-probs of episodes ``rows`` (M,): the forward's ``logprobs`` (M, T'), T' <= T, detached
+        and 0 outside ``action_mask`` (M, T'); recorded, and returned for the loss."""
+        old = torch.where(action_mask, logprobs.detach(), 0.0)
+        self.logprobs[rows, : old.shape[1]] = old
+        self.recorded[rows] = True
+        return old
+
+    @property
+    def complete(self) -> bool:
+        """Every episode recorded (the update's first epoch has run)."""
+        return bool(self.recorded.all())
+
+
 class Rollout(NamedTuple):
     """One PPO batch: what the policy did and what it was worth, all frozen (no grad)."""
 
     generation: Generation
     prompts: list  # (B,) as read: a string, or a conversation (list of {role, content} messages)
     responses: list[str]
-    logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
+    # (B, T) log pi_old(token), temperature-scaled, 0 outside action_mask; DeferredOldLogprobs when the
+    # rollout left them to the update (defer_old_logprobs) until trainer.fill_in_old_logprobs
+    logprobs: torch.Tensor | DeferredOldLogprobs
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
     values: torch.Tensor | None  # (B, T) V_old(state before each response token); None without a critic
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties; 0 where not scored
@@ -67,5 +97,5 @@ class Advantages(NamedTuple):
     rewards: torch.Tensor  # (B, T) shaped: -beta*KL per token + score on the last real token
     non_score_rewards: torch.Tensor  # (B, T) the -beta*KL part alone
     kl: torch.Tensor  # (B, T) per-token KL estimate to the reference
-    advantages: torch.Tensor  # (B, T) GAE, whitened if asked (or a critic-free estimator's), 0 outside response_mask
+    advantages: torch.Tensor  # (B, T) GAE, whitened if asked (or a critic-free estimator's), 0 outside train_mask
     returns: torch.Tensor  # (B, T) raw advantages + values: the value targets (critic-free: the raw advantages)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ppo_cli.errors import Interrupted, PpoError, UsageError
+from ppo_cli.metric_names import STEP
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import dump_resolved
 
@@ -110,7 +111,7 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
         return
     for i in range(min(recipe.train.num_samples, len(rollout.prompts))):
         writer.write({
-            "step": step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
+            STEP: step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
             "score": float(rollout.scores[i]) if rollout.scored is None or rollout.scored[i] else None,
             "finished": bool(rollout.generation.finished[i]),
         })
@@ -331,7 +332,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     from ppo_cli.resource_errors import phase as memory_phase
     from ppo_cli.resume import truncate_jsonl
     from ppo_cli.runs import discard_unstarted_run
-    from ppo_cli.trainer import init_state
+    from ppo_cli.train_setup import init_state
 
     dist = Distributed.for_recipe(recipe, resumed_precision=recorded_mixed_precision(checkpoint))
     random.seed(recipe.seed)

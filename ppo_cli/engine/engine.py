@@ -38,7 +38,7 @@ from ppo_cli.engine.rewards.stack import RewardStack, ScoreResult
 from ppo_cli.engine.rewards.shared import SharedForward, SharedRewardModel
 from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
-from ppo_cli.types import Generation, Rollout
+from ppo_cli.types import DeferredOldLogprobs, Generation, Rollout
 
 # Speed lever of the rollout (docs/benchmarks.md measures it); a module flag so a benchmark can turn it
 # off: reference and critic forwards under torch.inference_mode (outputs cloned back to normal
@@ -245,7 +245,7 @@ class Engine:
         return ModelSizes(policy, forwards, trained, weight_bytes)
 
     def collect_rollout(self, prompts: list[str], old_logprobs: bool = True) -> Rollout:
-        """``old_logprobs`` False: rollout.logprobs None, left to the update (evaluate_logprobs_and_values)."""
+        """``old_logprobs`` False: rollout.logprobs a DeferredOldLogprobs, left to the update (defer_old_logprobs)."""
         # Requests to reward servers and judges go out as rows finish sampling, and the rest right
         # after it, so their latency overlaps the decoding and the forwards below.
         stream = self.reward.stream(prompts, self.decode_response) if self.sampler is None else None
@@ -277,6 +277,8 @@ class Engine:
         if self.reward.failable:  # components that may leave an episode without a reward
             scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
             failures = {name: result.failures.get(name, "") for name in self.reward.failable}
+        if not old_logprobs:
+            logprobs = DeferredOldLogprobs(ref_logprobs)
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
                        fixed_features, sampler_logprobs, scored, failures)
 

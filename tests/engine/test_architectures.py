@@ -27,7 +27,8 @@ from ppo_cli.engine.models import load_tokenizer
 from ppo_cli.engine.engine import Engine, load_engine
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import validate_recipe
-from ppo_cli.trainer import init_state, train_step
+from ppo_cli.train_setup import init_state
+from ppo_cli.trainer import train_step
 from tests.conftest import ROOT
 from tests.fixtures.architectures import FAMILIES, SENTENCEPIECE_VOCAB
 

@@ -11,7 +11,8 @@ from ppo_cli.engine.logprobs import position_ids_from_mask, selective_log_softma
 from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.engine.engine import load_engine
 from ppo_cli.recipe_loading import load_recipe
-from ppo_cli.trainer import init_state, train_step
+from ppo_cli.train_setup import init_state
+from ppo_cli.trainer import train_step
 from tests.conftest import ROOT, tiny_overrides
 
 # Every test loads an engine on the tiny models: the slow suite.

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import ppo_cli
 
-QUIET = ("commands/train.py", "observe.py", "evaluation.py", "resume.py", "trainer.py")
+QUIET = ("commands/train.py", "observe.py", "evaluation.py", "resume.py", "trainer.py", "train_setup.py",
+         "train_checks.py", "train_metrics.py")
 
 
 def printing_in(path: Path) -> list[str]:

@@ -171,7 +171,8 @@ def _parameters(module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_resume_from_a_checkpoint_with_the_critic_at_the_top(tiny_models, tmp_path):
-    from ppo_cli.trainer import init_state, train_step
+    from ppo_cli.train_setup import init_state
+    from ppo_cli.trainer import train_step
 
     policy = str(tiny_models / "policy")
     state = init_state(_engine(policy, tmp_path, tiny_models), PROMPTS)

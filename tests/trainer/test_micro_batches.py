@@ -7,7 +7,8 @@ from ppo_cli import trainer
 from ppo_cli.engine.engine import load_engine
 from ppo_cli.plan_memory import update_micro_batch
 from ppo_cli.recipe_loading import load_recipe
-from ppo_cli.trainer import init_state, token_budget_micro_batches, train_step
+from ppo_cli.train_setup import init_state
+from ppo_cli.trainer import token_budget_micro_batches, train_step
 from tests.conftest import ROOT, tiny_overrides
 
 

@@ -188,7 +188,8 @@ def test_a_classifier_reward_keeps_its_own_forward(tiny_models, tmp_path):
 @pytest.mark.slow
 def test_a_training_step_reads_the_shared_forwards_features(tiny_models, tmp_path):
     """The update reuses the features the shared forward computed (no critic forward) and trains."""
-    from ppo_cli.trainer import init_state, train_step
+    from ppo_cli.train_setup import init_state
+    from ppo_cli.trainer import train_step
 
     engine = _engine(tiny_models, tmp_path, float32=False, **{"ppo.ppo_epochs": 1})
     calls = _count_forwards(engine)

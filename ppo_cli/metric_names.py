@@ -1,0 +1,95 @@
+"""The names of the training metrics: one line of metrics.jsonl per update, written by the trainer
+(trainer.py, train_metrics.py) and observe.py, read by the health monitor, the progress line (report.py),
+the learning curves (plots.py), the trackers and a resumed run. Users' dashboards read these names, so
+none of them may change; each constant is its name upper-cased with '/' as '_' (a test holds that).
+Families with a variable part are functions. Imports nothing (no torch): any module may use it.
+
+The held-out evaluation's summary (evaluation.held_out: eval_before.json, summary.json's before/after,
+read by report.py and model_card.py) has keys of its own, at the end.
+"""
+
+from __future__ import annotations
+
+# --- the update's place in the run ---------------------------------------------------------------
+
+STEP = "step"  # updates completed (the x axis of every plot and tracker)
+EPISODE = "episode"  # episodes trained on so far, all processes
+SKIPPED = "skipped"  # 1 when the update was skipped (non-finite numbers), else 0
+SKIP_REASON = "skip_reason"  # why, a train_checks.LIKELY_CAUSES key (skipped updates only)
+LR = "lr"  # the policy's learning rate in this update
+VALUE_LR = "value_lr"  # the critic's (a critic only)
+HEALTH_WARNINGS = "health/warnings"  # the monitor's rule ids firing now (a list: no tracker plots it)
+
+# --- the rollout (TRL's objective/* names: sums over response tokens, means over episodes) ---------
+
+OBJECTIVE_KL = "objective/kl"
+OBJECTIVE_ENTROPY = "objective/entropy"
+OBJECTIVE_NON_SCORE_REWARD = "objective/non_score_reward"
+OBJECTIVE_RLHF_REWARD = "objective/rlhf_reward"
+OBJECTIVE_SCORES = "objective/scores"
+OBJECTIVE_SCORES_STD = "objective/scores_std"
+OBJECTIVE_KL_COEF = "objective/kl_coef"
+EOS_RATE = "eos_rate"
+RESPONSE_LENGTH = "response_length"
+SAMPLES_DISTINCT_1 = "samples/distinct_1"
+SAMPLES_DISTINCT_2 = "samples/distinct_2"
+VAL_EXPLAINED_VARIANCE = "val/explained_variance"  # a critic only
+VAL_MEAN = "val/mean"  # a critic only
+REWARD_STD = "reward_std"  # generation.num_generations >= 2 only (TRL's name)
+FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # generation.num_generations >= 2 only (TRL's name)
+ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"  # a separate sampler (vLLM) only
+ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+REWARD_FAILED_RATE = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
+
+
+def reward_component(name: str) -> str:
+    """A reward component's mean over the episodes it scored (``name``: its display name)."""
+    return f"reward/{name}"
+
+
+def reward_component_failed_rate(name: str) -> str:
+    """The share of episodes a component that can fail left without a reward."""
+    return f"{REWARD_FAILED_RATE}/{name}"
+
+
+# --- the optimisation (TRL's *_avg: means over micro-batches) --------------------------------------
+
+POLICY_APPROXKL_AVG = "policy/approxkl_avg"
+POLICY_CLIPFRAC_AVG = "policy/clipfrac_avg"
+POLICY_CLIPFRAC_LOW = "policy/clipfrac_low"
+POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"
+POLICY_ENTROPY_AVG = "policy/entropy_avg"
+POLICY_GRAD_NORM = "policy/grad_norm"
+LOSS_POLICY_AVG = "loss/policy_avg"
+LOSS_VALUE_AVG = "loss/value_avg"  # a critic only
+LOSS_KL_AVG = "loss/kl_avg"  # ppo.kl_penalty loss only
+VAL_CLIPFRAC_AVG = "val/clipfrac_avg"  # a critic only
+VAL_RATIO = "val/ratio"
+VAL_RATIO_FIRST_MINIBATCH = "val/ratio_first_minibatch"
+PPO_EPOCHS_RUN = "ppo/epochs_run"
+PPO_SKIPPED_STEPS = "ppo/skipped_steps"
+
+# --- time, speed and memory ------------------------------------------------------------------------
+
+TIME_ROLLOUT_S = "time/rollout_s"
+TIME_UPDATE_S = "time/update_s"
+TIME_STEP_S = "time/step_s"
+TIME_STEP_CPU_S = "time/step_cpu_s"
+TOKENS_PER_S = "tokens_per_s"
+PERF_DECODE_GBPS = "perf/decode_gbps"
+PERF_MFU_ROLLOUT = "perf/mfu_rollout"  # where the precision probe ran only
+PERF_MFU_UPDATE = "perf/mfu_update"
+
+
+def memory_peak_gb(phase: str) -> str:
+    """The most GB of accelerator memory a phase ("rollout", "update") held in this update (CUDA only)."""
+    return f"memory/{phase}_peak_gb"
+
+
+# --- the held-out evaluation's summary (not metrics.jsonl) -----------------------------------------
+
+HELD_OUT_SCORE = "score"  # mean reward of the rows that got one
+HELD_OUT_REWARD_FAILED = "reward_failed"  # rows without a reward
+HELD_OUT_EOS_RATE = "eos_rate"
+HELD_OUT_RESPONSE_LENGTH = "response_length"  # tokens
+HELD_OUT_KL = "kl"  # nats per response (k1, summed over its tokens)
