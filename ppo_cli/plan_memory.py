@@ -41,7 +41,7 @@ from ppo_cli.recipe import LoraConfig, Recipe
 
 RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
 # CPU: glibc keeps the update's freed activations in the heap for reuse (ppo_cli turns off trimming,
-# engine/engine.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
+# engine/malloc.keep_freed_memory), and fragmentation leaves the resident set above the live tensors.
 # Measured at the 0.5B shape (docs/benchmarks.md): peak RSS - live estimate = 2.2x the update's
 # activations with a frozen (LoRA) base, 0.8x when the weights train.
 CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}

@@ -55,8 +55,8 @@ def make_kl_controller(ppo: PPOConfig):
 def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
     ac = engine.actor_critic
     groups = [{"params": ac.policy_parameters(), "lr": optim.lr}]
-    if ac.critic is not None:  # value.kind none: no second group (DeepSpeed and FSDP flatten each group)
-        groups.append({"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
+    if value_parameters := ac.value_parameters():  # NoCritic has none: no second group (DeepSpeed and FSDP flatten each group)
+        groups.append({"params": value_parameters, "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
     if optim.name != "adamw":
         import bitsandbytes as bnb
 
@@ -199,7 +199,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         entropy = masked_mean(entropy_from_logits(logits), mask)
-    if values is None:  # value.kind none
+    if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         loss = policy.loss - ppo.entropy_coef * entropy
     else:
         value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
@@ -304,7 +304,7 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
 
 
 def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Distributed,
-                    group_size: int = 1) -> dict[str, float]:
+                    group_size: int = 1, *, critic_trains: bool) -> dict[str, float]:
     """TRL's objective/* names: sums over response tokens, means over the episodes of all processes."""
     mask = rollout.generation.response_mask
     scored = rollout.scored if rollout.scored is not None else torch.ones_like(rollout.scores, dtype=torch.bool)
@@ -326,7 +326,7 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         "samples/distinct_1": distinct_n(responses, 1),
         "samples/distinct_2": distinct_n(responses, 2),
     }
-    if rollout.values is not None:
+    if critic_trains:  # NoCritic's values are zeros: nothing to measure
         values, returns = dist.gather(rollout.values), dist.gather(adv.returns)
         metrics["val/explained_variance"] = float(explained_variance(values, returns, all_mask))
         metrics["val/mean"] = masked_mean(values, all_mask).item()
@@ -422,7 +422,8 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     if dist.world_size == 1 and not dist.uses_deepspeed:
         engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
-    model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
+    model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim),
+                                    cpu_malloc_tuning=engine.options.cpu_malloc_tuning)
     return TrainState(
         recipe=recipe,
         engine=engine,
@@ -480,7 +481,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         rollout = rollout._replace(logprobs=old_logprobs)
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
-    metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
+    metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
     metrics["skipped"] = int(skip_reason is not None)
@@ -491,7 +492,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         metrics["skip_reason"] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
     metrics["lr"] = state.optimizer.param_groups[0]["lr"]
-    if state.engine.actor_critic.critic is not None:
+    if state.engine.actor_critic.critic.trains:
         metrics["value_lr"] = state.optimizer.param_groups[1]["lr"]
     state.scheduler.step()
     state.step += 1
@@ -527,7 +528,7 @@ def defer_old_logprobs(ppo: PPOConfig, engine: Engine, episodes: int) -> bool:
     first ratio is exactly 1.
     """
     ac = engine.actor_critic
-    return (ac.critic is None and not ac.reference_is_policy and ppo.kl_in_loss
+    return (not ac.critic.trains and not ac.reference_is_policy and ppo.kl_in_loss
             and ppo.mini_batch_size >= episodes)
 
 
@@ -592,7 +593,7 @@ LIKELY_CAUSES = {
 def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
     """The first non-finite quantity of a rollout, by name, or None when all are finite."""
     mask = rollout.generation.response_mask
-    values = rollout.values[mask] if rollout.values is not None else torch.zeros(0)
+    values = rollout.values[mask]
     logprobs = [rollout.ref_logprobs[mask]] + ([] if rollout.logprobs is None else [rollout.logprobs[mask]])
     checks = (
         ("non-finite rewards", rollout.scores),

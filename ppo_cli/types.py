@@ -48,7 +48,7 @@ class Rollout(NamedTuple):
     responses: list[str]
     logprobs: torch.Tensor  # (B, T) log pi_old(token), temperature-scaled, 0 outside response_mask
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
-    values: torch.Tensor | None  # (B, T) V_old(state before each response token); None without a critic
+    values: torch.Tensor  # (B, T) V_old(state before each response token), 0 outside action_mask; NoCritic: all 0
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties; 0 where not scored
     score_components: dict[str, list]  # component name -> per-episode value (penalties included); None: failed
     fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update
