@@ -63,12 +63,14 @@ def with_budget(gen: GenerationConfig, max_new_tokens: int | None) -> Generation
 
 def trimmed(generation: Generation, logprobs: torch.Tensor | None, hidden: torch.Tensor | None,
             policy_logprobs: bool) -> Sampled:
-    """A Sampled with the generation's padding columns dropped (trim_padding) and the log-probs
-    (B, T) and hidden states (B, T, H) cut to the same T."""
+    """A Sampled with the generation's padding columns dropped (trim_padding), the log-probs (B, T)
+    cut to the same T and set to 0 outside the action mask (generate's hold the padding's after a
+    row's stop token), and the hidden states (B, T, H) cut to T."""
     generation = trim_padding(generation)
     T = generation.response_ids.shape[1]
-    return Sampled(generation, logprobs[:, :T] if logprobs is not None else None,
-                   hidden[:, :T] if hidden is not None else None, policy_logprobs)
+    if logprobs is not None:
+        logprobs = logprobs[:, :T].masked_fill(~generation.action_mask, 0.0)
+    return Sampled(generation, logprobs, hidden[:, :T] if hidden is not None else None, policy_logprobs)
 
 
 class TransformersSampler:
