@@ -161,8 +161,7 @@ class Engine:
                 if ac.value_features_fixed:
                     features.append(fixed_features[rows] if fixed_features is not None
                                     else ac.critic.features(ac, seq, attn, T).clone())
-                    head_values = values_from_hidden(ac, features[-1])
-                vals = head_values if head_values is not None else value_forward(ac, seq, attn, T)
+                vals = self._old_values(seq, attn, T, head_values, features[-1] if features else None)
             ref_logprobs.append(ref.clone())  # clone: a normal tensor again, usable by the update's autograd
             values.append(vals.clone())
         zero = lambda parts: torch.cat(parts).masked_fill(~generation.action_mask, 0.0)  # noqa: E731
@@ -184,6 +183,17 @@ class Engine:
         with self.autocast():
             logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
         return selective_log_softmax(logits, response_ids), head_values
+
+    def _old_values(self, sequences, attention_mask, T: int, head_values, features):
+        """One chunk's old values (b, T): a frozen value model's head over its ``features`` (b, T, H), the
+        ``head_values`` that came with the policy's forward (a value head), else the critic's own
+        forward (NoCritic: zeros)."""
+        ac = self.actor_critic
+        if features is not None:
+            return values_from_hidden(ac, features)
+        if head_values is not None:
+            return head_values
+        return value_forward(ac, sequences, attention_mask, T)
 
     def reuses_generation_forward(self) -> bool:
         """Take the old log-probs (and head values) from the generation's own forward passes?
@@ -262,15 +272,20 @@ class Engine:
                 stream.close()
             raise
         result = self.score(prompts, responses, generation, shared, pending)
-        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
-        scored, failures = None, None
-        if self.reward.failable:  # components that may leave an episode without a reward
-            scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
-            failures = {name: result.failures.get(name, "") for name in self.reward.failable}
+        scores, scored, failures = self._score_tensors(result)
         # compared with the old log-probs, never used as them
         sampler_logprobs = sampled.logprobs if not sampled.policy_logprobs else None
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
                        fixed_features, sampler_logprobs, scored, failures)
+
+    def _score_tensors(self, result: ScoreResult):
+        """The rollout's scores (B,) (0 where not scored) and, where a component may leave an episode
+        without a reward, the scored mask (B,) and each such component's latest failure (else None, None)."""
+        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
+        if not self.reward.failable:
+            return scores, None, None
+        scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
+        return scores, scored, {name: result.failures.get(name, "") for name in self.reward.failable}
 
 
 def make_sampler(recipe: Recipe, device: torch.device, policy: torch.nn.Module, stop_token_id: int, pad_token_id: int,

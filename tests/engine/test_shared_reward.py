@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo_cli.engine import engine as engine_module
+from ppo_cli.engine.engine import EngineOptions, load_engine
 from ppo_cli.engine.rewards import RewardStack
-from ppo_cli.engine.engine import load_engine
 from ppo_cli.engine.shared_reward import SharedRewardModel
 from ppo_cli.recipe import RewardConfig
 from ppo_cli.recipe_loading import load_recipe
