@@ -177,21 +177,24 @@ class Engine:
         (b, T) (else None): from the sampler's own forward when ``sampled`` has them, else from a
         policy forward under the run's autocast."""
         ac = self.actor_critic
-        if sampled is not None:
-            head_values = values_from_hidden(ac, sampled.hidden[rows]) if sampled.hidden is not None else None
-            return sampled.logprobs[rows], head_values
-        with self.autocast():
-            logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
-        return selective_log_softmax(logits, response_ids), head_values
+        if sampled is None:
+            with self.autocast():
+                logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
+            return selective_log_softmax(logits, response_ids), head_values
+        if not ac.value_reads_policy_hidden:
+            return sampled.logprobs[rows], None
+        if sampled.hidden is None:  # a sampler that kept no hidden states: the head's own forward
+            return sampled.logprobs[rows], value_forward(ac, sequences, attention_mask, response_ids.shape[1])
+        return sampled.logprobs[rows], values_from_hidden(ac, sampled.hidden[rows])
 
     def _old_values(self, sequences, attention_mask, T: int, head_values, features):
-        """One chunk's old values (b, T): a frozen value model's head over its ``features`` (b, T, H), the
-        ``head_values`` that came with the policy's forward (a value head), else the critic's own
-        forward (NoCritic: zeros)."""
+        """One chunk's old values (b, T): a frozen value model's head over its ``features`` (b, T, H), a
+        value head's ``head_values`` (they came with the old log-probs), else the critic's own forward
+        (NoCritic: zeros)."""
         ac = self.actor_critic
         if features is not None:
             return values_from_hidden(ac, features)
-        if head_values is not None:
+        if ac.value_reads_policy_hidden:
             return head_values
         return value_forward(ac, sequences, attention_mask, T)
 
