@@ -113,3 +113,19 @@ def test_the_transformers_sampler_keeps_to_one_calls_token_budget_and_gives_the_
     old, _, values, _ = engine.evaluate_logprobs_and_values(generation, 2)
     torch.testing.assert_close(sampled.logprobs, old, atol=1e-5, rtol=0)
     assert (values == 0).all()  # NoCritic: no baseline
+
+
+def test_the_engine_options_default_to_every_speed_lever_on():
+    from ppo_cli.engine.engine import EngineOptions
+
+    assert EngineOptions() == EngineOptions(inference_mode=True, cpu_malloc_tuning=True, shared_reward_forward=True)
+
+
+def test_generation_backend_hf_gets_the_transformers_sampler_which_streams():
+    from ppo_cli.engine.engine import make_sampler
+    from ppo_cli.recipe_loading import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml")
+    sampler = make_sampler(recipe, torch.device("cpu"), policy=None, stop_token_id=0, pad_token_id=1, mixed_precision="no")
+    assert isinstance(sampler, TransformersSampler) and sampler.streams and not sampler.copies_weights
+    assert (sampler.gen, sampler.stop_token_id, sampler.pad_token_id) == (recipe.generation, 0, 1)
