@@ -16,7 +16,7 @@ each phase (loading, prepare, evaluation, every update, final/), the highest res
 and file-backed) within each update's rollout, forwards, backwards and optimizer steps (sampled every
 10 ms), and after each update forward the FSDP units left whole, what autograd saved and the tensors
 Python sees; BENCH_MALLOC_TUNING=off leaves glibc's
-own trimming on (engine/engine.py's CPU_MALLOC_TUNING). Never imported by ppo_cli or its tests.
+own trimming on (EngineOptions.cpu_malloc_tuning, given to load_engine). Never imported by ppo_cli or its tests.
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ def _rank_main(out_dir: str, argv: list[str]) -> None:
 
     if os.environ.get("BENCH_PHASES"):
         _trace_phases()
-    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (engine/engine.py's switch)
+    if os.environ.get("BENCH_MALLOC_TUNING") == "off":  # glibc's own trimming (EngineOptions.cpu_malloc_tuning)
+        import functools
+
         import ppo_cli.engine.engine as engine_module
 
-        engine_module.CPU_MALLOC_TUNING = False
+        # commands/train.py imports load_engine when it runs: it gets this one
+        engine_module.load_engine = functools.partial(
+            engine_module.load_engine, options=engine_module.EngineOptions(cpu_malloc_tuning=False))
     code = 0
     try:
         sys.argv = ["ppo", *argv]

@@ -5,7 +5,7 @@
 
 value.kind auto with a scalar reward model on the policy's architecture and tokenizer is the frozen
 reward-model critic; engine/rewards/shared.py then scores the rollout and computes the critic's
-features with one forward of that model (engine_module.SHARED_REWARD_FORWARD on) instead of one each (off).
+features with one forward of that model (EngineOptions.shared_reward_forward on) instead of one each (off).
 Both run on the same engine in one process, alternating, from the same seed (same samples), and the
 script prints the median seconds of the whole rollout (collect_rollout) and of its part after
 generation (the forwards over the sampled tokens and the reward), with the CPU they ran on.
@@ -120,7 +120,7 @@ def main() -> None:
     matched = []
     for repeat in range(args.repeats + 1):  # the first round warms up both
         for mode in ("one", "two") if repeat % 2 else ("two", "one"):
-            engine_module.SHARED_REWARD_FORWARD = mode == "one"
+            engine.options = engine_module.EngineOptions(shared_reward_forward=mode == "one")
             torch.manual_seed(repeat)
             started = time.perf_counter()
             rollout = engine.collect_rollout(prompts)

@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     from ppo_cli import train_setup, trainer
     from ppo_cli.engine import logprobs as lp
     from ppo_cli.engine import engine as engine_module
+    from ppo_cli.engine import sampler as sampler_module
     from ppo_cli.recipe_loading import load_recipe
 
     after_imports = rss_gb()
@@ -148,16 +149,14 @@ def main(argv=None) -> int:
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
 
-    if "inference_mode" in levers_off:
-        engine_module.INFERENCE_MODE = False
-    if "malloc" in levers_off:
-        engine_module.CPU_MALLOC_TUNING = False
+    options = engine_module.EngineOptions(inference_mode="inference_mode" not in levers_off,
+                                          cpu_malloc_tuning="malloc" not in levers_off)
     if "logsumexp" in levers_off:
         def naive(logits, index, chunk_rows=8):
             return torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
         engine_module.selective_log_softmax = trainer.selective_log_softmax = lp.selective_log_softmax = naive
     if "trim" in levers_off:
-        engine_module.trim_padding = lambda generation: generation
+        sampler_module.trim_padding = lambda generation: generation
     if "frozen_bf16" in levers_off:
         engine_module.Engine.store_frozen_weights_in_compute_dtype = lambda self: 0
     if "defer_old" in levers_off:
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
         trainer.torch.optim.AdamW = unfused
 
     started = time.perf_counter()
-    engine = engine_module.load_engine(recipe)
+    engine = engine_module.load_engine(recipe, options=options)
     state = train_setup.init_state(engine, [line.strip() for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()])
     if "fused_adamw" in levers_off:
         torch.optim.AdamW = original_adamw
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
 
     timers = Timers()
     Engine = engine_module.Engine
-    wrap(Engine, "_generate", timers, "generate")
+    wrap(Engine, "sample", timers, "generate")
     wrap(engine_module, "policy_forward", timers, "policy")
     wrap(engine_module, "reference_logprobs", timers, "reference")
     wrap(engine_module, "value_forward", timers, "values")

@@ -68,7 +68,7 @@ def save_policy_and_value(ac: ActorCritic, tokenizer, directory: Path, full_stat
     else:
         model = unwrap_causal_lm(ac.policy)
         model.save_pretrained(directory, safe_serialization=True, state_dict=without_tied_copies(model, policy_state))
-    if ac.critic is not None:  # value.kind none: no critic/ at all
+    if ac.critic.trains:  # value.kind none (NoCritic): no critic/ at all
         critic = directory / CRITIC
         critic.mkdir()
         ac.critic.save(ac, critic, full_state)
@@ -308,7 +308,7 @@ def load_policy_and_value(ac: ActorCritic, directory: Path) -> None:
     else:
         weights = sorted(p for p in directory.glob("*.safetensors") if p.name != VALUE_HEAD)
         load_safetensors_into(unwrap_causal_lm(ac.policy), weights)
-    if ac.critic is not None:
+    if ac.critic.trains:
         ac.critic.load(ac, critic)
         ac.value_head.load_state_dict(load_file(critic / VALUE_HEAD))
 

@@ -168,14 +168,15 @@ class ShardingMixin:
     def shards_parameters(self) -> bool:
         return bool(self.accelerator.is_fsdp2)
 
-    def prepare(self, model: torch.nn.Module, optimizer):
-        """accelerator.prepare(model, optimizer); with FSDP, frozen whole models stay unsharded."""
+    def prepare(self, model: torch.nn.Module, optimizer, *, cpu_malloc_tuning: bool):
+        """accelerator.prepare(model, optimizer); with FSDP, frozen whole models stay unsharded.
+        ``cpu_malloc_tuning``: the engine's option (EngineOptions): FSDP on CPU then tunes glibc malloc."""
         if not self.shards_parameters:
             return self.accelerator.prepare(model, optimizer)
         with without_frozen_models(model):
             prepared = self.accelerator.prepare(model, optimizer)
-        if self.device.type == "cpu":
-            from ppo_cli.engine.engine import release_freed_memory, return_freed_memory
+        if self.device.type == "cpu" and cpu_malloc_tuning:
+            from ppo_cli.engine.malloc import release_freed_memory, return_freed_memory
 
             return_freed_memory()  # each block's gathered weights, freed after its forward and backward
             release_freed_memory()  # the whole weights each process loaded, now sharded

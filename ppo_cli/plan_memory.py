@@ -41,7 +41,7 @@ from ppo_cli.recipe import LoraConfig, Recipe
 
 RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
 # CPU: peak RSS above the live tensors, in update activations: glibc keeps the freed ones for reuse
-# (engine/engine.keep_freed_memory) and fragments (docs/benchmarks.md, "Peak memory per configuration").
+# (engine/malloc.keep_freed_memory) and fragments (docs/benchmarks.md, "Peak memory per configuration").
 CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
 ADAMW_STATES = 2
 

@@ -28,7 +28,7 @@ LIKELY_CAUSES = {
 def find_non_finite(rollout: Rollout, adv: Advantages) -> str | None:
     """The first non-finite quantity of a rollout, by name, or None when all are finite."""
     mask = rollout.generation.action_mask
-    values = rollout.values[mask] if rollout.values is not None else torch.zeros(0)
+    values = rollout.values[mask]
     logprobs = [rollout.ref_logprobs[mask]] + ([rollout.logprobs[mask]] if isinstance(rollout.logprobs, torch.Tensor) else [])
     checks = (
         ("non-finite rewards", rollout.scores),

@@ -39,7 +39,7 @@ class UpdateStats:
 
 
 def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Distributed,
-                    group_size: int = 1) -> dict[str, float]:
+                    group_size: int = 1, *, critic_trains: bool) -> dict[str, float]:
     """TRL's objective/* names: sums over the policy's tokens (action_mask), means over the episodes of all processes."""
     mask = rollout.generation.action_mask
     scored = rollout.scored if rollout.scored is not None else torch.ones_like(rollout.scores, dtype=torch.bool)
@@ -61,7 +61,7 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
         names.SAMPLES_DISTINCT_1: distinct_n(responses, 1),
         names.SAMPLES_DISTINCT_2: distinct_n(responses, 2),
     }
-    if rollout.values is not None:
+    if critic_trains:  # NoCritic's values are zeros: nothing to measure
         values, returns = dist.gather(rollout.values), dist.gather(adv.returns)
         metrics[names.VAL_EXPLAINED_VARIANCE] = float(explained_variance(values, returns, all_mask))
         metrics[names.VAL_MEAN] = masked_mean(values, all_mask).item()

@@ -47,7 +47,8 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     if dist.world_size == 1 and not dist.uses_deepspeed:
         engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
-    model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim))
+    model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim),
+                                    cpu_malloc_tuning=engine.options.cpu_malloc_tuning)
     return TrainState(
         recipe=recipe,
         engine=engine,
@@ -64,8 +65,8 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
 def make_optimizer(engine: Engine, optim: OptimConfig) -> torch.optim.Optimizer:
     ac = engine.actor_critic
     groups = [{"params": ac.policy_parameters(), "lr": optim.lr}]
-    if ac.critic is not None:  # value.kind none: no second group (DeepSpeed and FSDP flatten each group)
-        groups.append({"params": ac.value_parameters(), "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
+    if value_parameters := ac.value_parameters():  # NoCritic has none: no second group (DeepSpeed and FSDP flatten each group)
+        groups.append({"params": value_parameters, "lr": optim.value_lr or ac.default_value_lr(optim.lr)})
     if optim.name != "adamw":
         import bitsandbytes as bnb
 

@@ -91,7 +91,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         rollout = fill_in_old_logprobs(state, rollout)
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
-    metrics = rollout_metrics(rollout, adv, kl_coef, dist, G)
+    metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
     metrics[names.SKIPPED] = int(skip_reason is not None)
@@ -102,7 +102,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         metrics[names.SKIP_REASON] = skip_reason
         state.consecutive_skips, state.last_skip_reason = state.consecutive_skips + 1, skip_reason
     metrics[names.LR] = state.optimizer.param_groups[0]["lr"]
-    if state.engine.actor_critic.critic is not None:
+    if state.engine.actor_critic.critic.trains:
         metrics[names.VALUE_LR] = state.optimizer.param_groups[1]["lr"]
     state.scheduler.step()
     state.step += 1
@@ -149,7 +149,7 @@ def defer_old_logprobs(ppo: PPOConfig, engine: Engine, episodes: int) -> bool:
     first ratio is exactly 1.
     """
     ac = engine.actor_critic
-    return (ac.critic is None and not ac.reference_is_policy and ppo.kl_in_loss
+    return (not ac.critic.trains and not ac.reference_is_policy and ppo.kl_in_loss
             and ppo.mini_batch_size >= episodes)
 
 
@@ -307,7 +307,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         entropy = masked_mean(entropy_from_logits(logits), mask)
-    if values is None:  # value.kind none
+    if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         loss = policy.loss - ppo.entropy_coef * entropy
     else:
         value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)

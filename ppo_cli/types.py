@@ -78,7 +78,7 @@ class Rollout(NamedTuple):
     # rollout left them to the update (defer_old_logprobs) until trainer.fill_in_old_logprobs
     logprobs: torch.Tensor | DeferredOldLogprobs
     ref_logprobs: torch.Tensor  # (B, T) log pi_ref(token), same scaling
-    values: torch.Tensor | None  # (B, T) V_old(state before each response token); None without a critic
+    values: torch.Tensor  # (B, T) V_old(state before each response token), 0 outside action_mask; NoCritic: all 0
     scores: torch.Tensor  # (B,) total sequence reward: weighted components + penalties; 0 where not scored
     score_components: dict[str, list]  # component name -> per-episode value (penalties included); None: failed
     fixed_value_features: torch.Tensor | None = None  # (B, T, H) a frozen value model's, reused by the update

@@ -29,9 +29,8 @@ def release(engine) -> None:
     import torch
 
     engine.actor_critic = None
-    if engine.sampler is not None:  # vLLM's engine and its KV cache
-        engine.sampler.close()
-        engine.sampler = None
+    engine.sampler.close()  # vLLM's engine and its KV cache go with the last reference below
+    engine.sampler = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ppo_cli.auto import same_tokenizer, value_kind, value_model_path
-from ppo_cli.engine.critics import CRITICS, Critic
+from ppo_cli.engine.critics import CRITICS, Critic, values_from_hidden
 from ppo_cli.engine.logprobs import causal_lm_forward, selective_log_softmax
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
@@ -24,7 +24,6 @@ from ppo_cli.engine.models import (
     resolve_dtype,
     unwrap_causal_lm,
 )
-from ppo_cli.engine.precision import full_precision
 from ppo_cli.errors import ModelReferenceError
 from ppo_cli.recipe import Recipe
 
@@ -32,12 +31,13 @@ from ppo_cli.recipe import Recipe
 class ActorCritic(nn.Module):
     """Policy, value and reference behind one interface, whatever the memory layout.
 
-    ``critic``: the value model's kind (engine/critics.py), which knows its network and parameters;
+    ``critic``: the value model's kind (engine/critics.py), which knows its network and parameters
+    (value.kind none: a NoCritic, never None);
     ``value_head`` (float32 ``Linear(H, 1)``) and ``value_backbone`` (kind model's network) are
     registered here so that one module holds every trained parameter.
     """
 
-    def __init__(self, policy: nn.Module, critic: Critic | None, value_head: nn.Linear | None,
+    def __init__(self, policy: nn.Module, critic: Critic, value_head: nn.Linear | None,
                  value_backbone: nn.Module | None = None, ref_model: nn.Module | None = None,
                  head_trains_backbone: bool = False):
         super().__init__()
@@ -54,7 +54,7 @@ class ActorCritic(nn.Module):
 
     @property
     def value_kind(self) -> str:
-        return self.critic.kind if self.critic is not None else "none"
+        return self.critic.kind
 
     # peft's set_adapter also flips requires_grad so that only the named adapter trains; both of
     # ours must keep their gradients (one backward covers both), so restore them after switching.
@@ -76,24 +76,22 @@ class ActorCritic(nn.Module):
             yield
 
     def default_value_lr(self, policy_lr: float) -> float:
-        return policy_lr if self.critic is None else self.critic.default_lr(self, policy_lr)
+        return self.critic.default_lr(self, policy_lr)
 
     @property
     def value_features_fixed(self) -> bool:
-        return self.critic is not None and self.critic.features_fixed(self)
+        return self.critic.features_fixed(self)
 
     @property
     def value_reads_policy_hidden(self) -> bool:
-        return self.critic is not None and self.critic.reads_policy_hidden
+        return self.critic.reads_policy_hidden
 
     def policy_parameters(self) -> list[nn.Parameter]:
         value_ids = {id(p) for p in self.value_parameters()}
         return [p for p in self._trainable if id(p) not in value_ids]
 
     def value_parameters(self) -> list[nn.Parameter]:
-        if self.critic is None:
-            return []
-        return list(self.value_head.parameters()) + self.critic.trained_parameters(self)
+        return self.critic.value_parameters(self)
 
 
 def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | None = None) -> nn.Linear:
@@ -147,8 +145,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
     critic = CRITICS[value_kind(recipe)]()
     value_backbone, hidden, init_from = critic.build(recipe, policy, device, loaded or {}, common)
     torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
-    if hidden is None:  # value.kind none: no critic, no head
-        model = ActorCritic(policy, None, None, None, ref_model)
+    if hidden is None:  # value.kind none: a NoCritic, no head
+        model = ActorCritic(policy, critic, None, None, ref_model)
     else:
         model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
                             head_trains_backbone=bool(recipe.value.train_backbone))
@@ -176,14 +174,6 @@ def check_value_model_tokenizer(recipe: Recipe) -> None:
         )
 
 
-def values_from_hidden(actor_critic: ActorCritic, hidden: torch.Tensor) -> torch.Tensor:
-    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32,
-    also inside a mixed-precision forward (bf16 would round values of +-10 by ~0.04)."""
-    head = actor_critic.value_head
-    with full_precision(hidden.device):
-        return head(hidden.to(head.weight.dtype)).squeeze(-1)
-
-
 def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
     """(logits (B, T, V), values (B, T) or None): values come free when the critic reads the policy's states."""
     ac.use_adapter(POLICY_ADAPTER)
@@ -198,10 +188,10 @@ def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int
 
 
 def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
-    """Values (B, T) from the critic."""
+    """Values (B, T) from the critic (NoCritic: zeros)."""
     if ac.critic.reads_policy_hidden:
         return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
-    return values_from_hidden(ac, ac.critic.features(ac, sequences, attention_mask, response_len))
+    return ac.critic.values(ac, sequences, attention_mask, response_len)
 
 
 def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float) -> torch.Tensor:
@@ -213,7 +203,7 @@ def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids,
 
 
 class PolicyAndValue(nn.Module):
-    """The update's forward as one module call, (logits (B, T, V), values (B, T) or None without a critic).
+    """The update's forward as one module call, (logits (B, T, V), values (B, T); NoCritic's zeros without a critic).
 
     One call per backward, so a DDP or DeepSpeed wrapper from ``accelerator.prepare`` sees every
     trainable parameter used and synchronises the gradients (TRL's PolicyAndValueWrapper).
@@ -236,8 +226,8 @@ class PolicyAndValue(nn.Module):
         """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run)."""
         ac = self.actor_critic
         logits, values = policy_forward(ac, sequences, attention_mask, response_len, temperature)
-        if values is None and fixed_value_features is not None:
-            values = values_from_hidden(ac, fixed_value_features)
-        elif values is None and ac.critic is not None:
-            values = value_forward(ac, sequences, attention_mask, response_len)
-        return logits, values
+        if ac.value_reads_policy_hidden:  # the head's values came with the policy's forward
+            return logits, values
+        if fixed_value_features is not None:
+            return logits, values_from_hidden(ac, fixed_value_features)
+        return logits, value_forward(ac, sequences, attention_mask, response_len)

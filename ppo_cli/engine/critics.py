@@ -48,6 +48,7 @@ class Critic:
 
     kind: ClassVar[str]
     reads_policy_hidden: ClassVar[bool] = False  # values come with the policy's own forward
+    trains: ClassVar[bool] = True  # a value head (and maybe a network) that the value loss trains and a checkpoint keeps
 
     @classmethod
     def build(cls, recipe: Recipe, policy, device, loaded: dict, common: dict):
@@ -57,6 +58,10 @@ class Critic:
     def trained_parameters(self, ac) -> list:
         """The parameters the value loss trains besides the head."""
         return []
+
+    def value_parameters(self, ac) -> list:
+        """Every parameter the value loss trains: the head's, then the kind's own (trained_parameters)."""
+        return list(ac.value_head.parameters()) + self.trained_parameters(ac)
 
     def default_lr(self, ac, policy_lr: float) -> float:
         """A critic that trains a backbone learns at the policy's rate."""
@@ -77,6 +82,11 @@ class Critic:
         """What the head reads (B, T, H) at the response positions, from the critic's own network (a
         critic that reads_policy_hidden has none: its features come with the policy's forward)."""
         raise NotImplementedError
+
+    def values(self, ac, sequences, attention_mask, response_len: int) -> torch.Tensor:
+        """Values (B, T) at the response positions: the head over ``features`` (a critic that
+        reads_policy_hidden gets its values from the policy's forward instead: actor_critic.value_forward)."""
+        return values_from_hidden(ac, self.features(ac, sequences, attention_mask, response_len))
 
     def save(self, ac, critic_dir: Path, full_state: dict | None = None) -> None:
         """Write the critic's network (not the head) into ``critic_dir``; ``full_state``: the
@@ -244,19 +254,42 @@ class ModelCritic(Critic):
 
 
 class NoCritic(Critic):
-    """value.kind none, for the critic-free estimators (ppo.advantage grpo, rloo, reinforce_pp): the
-    ActorCritic then holds no critic at all (critic None, no head), so nothing is built, trained,
-    saved or loaded, and the loss has no value term."""
+    """value.kind none, for the critic-free estimators (ppo.advantage grpo, rloo, reinforce_pp), and the
+    inference engine: no network and no head, so nothing is built, trained (``trains`` False: no value
+    loss, no optimizer group, no metrics of values), saved or loaded; its values are 0 (no baseline)."""
 
     kind = "none"
+    trains = False
 
     @classmethod
     def build(cls, recipe, policy, device, loaded, common):
         return None, None, None
 
+    def value_parameters(self, ac):
+        return []
+
+    def forward_parameters(self, ac, policy):
+        return 0
+
+    def values(self, ac, sequences, attention_mask, response_len):
+        """Zeros (B, T) float32: nothing runs, and nothing trains on them."""
+        import torch
+
+        return torch.zeros((sequences.shape[0], response_len), dtype=torch.float32, device=sequences.device)
+
     @staticmethod
     def memory(s, policy, value, lora):
         return CriticMemory([], [], 0, 4.0)
+
+
+def values_from_hidden(ac, hidden: torch.Tensor) -> torch.Tensor:
+    """Scalar value per position (B, T) from hidden states (B, T, H); the head runs in float32,
+    also inside a mixed-precision forward (bf16 would round values of +-10 by ~0.04)."""
+    from ppo_cli.engine.precision import full_precision
+
+    head = ac.value_head
+    with full_precision(hidden.device):
+        return head(hidden.to(head.weight.dtype)).squeeze(-1)
 
 
 CRITICS: dict[str, type[Critic]] = {cls.kind: cls for cls in (AdapterCritic, HeadCritic, ModelCritic, NoCritic)}

@@ -15,7 +15,7 @@ import torch
 
 from ppo_cli.engine.chat import tokenize_prompts
 from ppo_cli.engine.data import recipe_prompt_columns
-from ppo_cli.engine.generate import generate, generate_with_logprobs, resolve_stop_token_id, trim_padding
+from ppo_cli.engine.generate import resolve_stop_token_id
 from ppo_cli.engine.actor_critic import (
     ActorCritic,
     build_actor_critic,
@@ -26,6 +26,7 @@ from ppo_cli.engine.actor_critic import (
     values_from_hidden,
 )
 from ppo_cli.engine.logprobs import selective_log_softmax
+from ppo_cli.engine.malloc import keep_freed_memory
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
     is_quantized,
@@ -36,38 +37,26 @@ from ppo_cli.engine.models import (
 from ppo_cli.engine.precision import autocast_context, check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards.stack import RewardStack, ScoreResult
 from ppo_cli.engine.rewards.shared import SharedForward, SharedRewardModel
+from ppo_cli.engine.sampler import Sampled, Sampler, TransformersSampler
 from ppo_cli.perf import ModelSizes
 from ppo_cli.recipe import Recipe
 from ppo_cli.types import DeferredOldLogprobs, Generation, Rollout
 
-# Speed lever of the rollout (docs/benchmarks.md measures it); a module flag so a benchmark can turn it
-# off: reference and critic forwards under torch.inference_mode (outputs cloned back to normal
-# tensors); the policy's own tensors stay out of it, they meet autograd in the update.
-INFERENCE_MODE = True
-# CPU: keep freed activation memory in the process instead of handing it back to the kernel after
-# every backward (keep_freed_memory): a faster backward for a little more peak memory (docs/benchmarks.md,
-# "Where the time goes"). A switch so the benchmark can turn it off.
-CPU_MALLOC_TUNING = True
-# One forward of a reward model that is also the frozen critic, for its scores and the critic's
-# features, instead of one each (engine/rewards/shared.py; docs/benchmarks.md measures it). A switch so
-# the benchmark and the tests can run the two forwards on the same engine.
-SHARED_REWARD_FORWARD = True
-
-
 @dataclass(frozen=True)
-class SampledForward:
-    """What generate()'s own forward passes computed for the sampled tokens (generate_with_logprobs)."""
+class EngineOptions:
+    """Speed levers a benchmark or a test turns off (docs/benchmarks.md measures each); the defaults
+    are what every command runs with. Given to load_engine, kept on the Engine."""
 
-    logprobs: torch.Tensor  # (B, T) log-probs of the response tokens at the sampling temperature
-    hidden: torch.Tensor | None  # (B, T, H) policy decoder states that sampled them, for a value head
-
-
-@dataclass(frozen=True)
-class SamplerLogprobs:
-    """A separate sampler's (generation.backend vllm) log-probs of the sampled tokens (B, T): never the
-    old log-probs (those stay the policy's own forward), only compared with them."""
-
-    logprobs: torch.Tensor
+    # Reference and critic forwards under torch.inference_mode (outputs cloned back to normal tensors);
+    # the policy's own tensors stay out of it, they meet autograd in the update.
+    inference_mode: bool = True
+    # CPU: keep freed activation memory in the process instead of handing it back to the kernel after
+    # every backward (engine/malloc.py keep_freed_memory). Measured at the 0.5B shape on 2 cores:
+    # backward 9.8 -> 5.8 s per update, peak resident memory +5% (docs/benchmarks.md).
+    cpu_malloc_tuning: bool = True
+    # One forward of a reward model that is also the frozen critic, for its scores and the critic's
+    # features, instead of one each (engine/shared_reward.py).
+    shared_reward_forward: bool = True
 
 
 @dataclass
@@ -78,13 +67,14 @@ class Engine:
     actor_critic: ActorCritic
     reward: RewardStack
     stop_token_id: int
-    sampler: object | None = None  # vllm_sampler.VllmSampler when generation.backend is vllm
+    sampler: Sampler  # chosen once at load (make_sampler); a wrapping sampler may replace it
     # 'no', 'bf16' or 'fp16' (train.mixed_precision resolved): generation and the rollout's forwards
     # run under the autocast the update's forward gets from accelerate, so the first ratio is 1.
     mixed_precision: str = "no"
     generation_seconds: float = 0.0
     # the reward model whose backbone is the frozen critic's: one forward gives scores and features
     shared_reward: SharedRewardModel | None = None
+    options: EngineOptions = EngineOptions()
 
     @property
     def pad_token_id(self) -> int:
@@ -93,33 +83,18 @@ class Engine:
     def autocast(self):
         return autocast_context(self.mixed_precision, self.device)
 
+    # --- sampling -----------------------------------------------------------------------------------
+
+    def sample(self, prompts: list, **options) -> Sampled:
+        """The prompts tokenized (chat template, left padding) and handed to the sampler with the
+        policy adapter active; ``options``: Sampler.sample's keywords (global torch RNG: seed it first)."""
+        prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, self.recipe.data, self.device)
+        self.actor_critic.use_adapter(POLICY_ADAPTER)
+        return self.sampler.sample(self.actor_critic.policy, prompt_ids, prompt_mask, **options)
+
     def generate(self, prompts: list[str]) -> Generation:
         """Sample one response per prompt with the policy (global torch RNG: seed it first)."""
-        return self._generate(prompts, from_generation=False)[0]
-
-    def _generate(self, prompts: list[str], from_generation: bool,
-                  on_finished=None) -> tuple[Generation, "SampledForward | SamplerLogprobs | None"]:
-        """generate(); with ``from_generation`` also what its own forward passes computed: the sampled
-        tokens' log-probs (B, T) and, for a value head, the hidden states (B, T, H) that sampled them.
-        With a separate sampler (vLLM), its log-probs instead (and ``on_finished`` is not called: the
-        reward requests then go out after sampling)."""
-        recipe = self.recipe
-        prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, recipe.data, self.device)
-        self.actor_critic.use_adapter(POLICY_ADAPTER)
-        if self.sampler is not None:
-            generation, logprobs = self.sampler.generate(self.actor_critic.policy, prompt_ids, prompt_mask,
-                                                         self.stop_token_id, self.pad_token_id)
-            generation = trim_padding(generation)
-            return generation, SamplerLogprobs(logprobs[:, : generation.response_ids.shape[1]])
-        args = (self.actor_critic.policy, prompt_ids, prompt_mask, recipe.generation, self.stop_token_id, self.pad_token_id)
-        if not from_generation:
-            with self.autocast():
-                return trim_padding(generate(*args, on_finished)), None
-        generation, logprobs, hidden = generate_with_logprobs(*args, keep_hidden=self.actor_critic.value_reads_policy_hidden,
-                                                              on_finished=on_finished)
-        generation = trim_padding(generation)
-        T = generation.response_ids.shape[1]
-        return generation, SampledForward(logprobs[:, :T], hidden[:, :T] if hidden is not None else None)
+        return self.sample(prompts).generation
 
     def decode_responses(self, generation: Generation) -> list[str]:
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
@@ -127,6 +102,8 @@ class Engine:
     def decode_response(self, response_ids: list[int]) -> str:
         """One response as decode_responses gives it (without the padding after its stop token)."""
         return self.tokenizer.decode(response_ids, skip_special_tokens=True)
+
+    # --- scoring ------------------------------------------------------------------------------------
 
     def score(self, prompts: list[str], responses: list[str], generation: Generation,
               shared: SharedForward | None = None, pending=None) -> ScoreResult:
@@ -142,63 +119,84 @@ class Engine:
         """The frozen critic's features and, for the rows whose tokens the reward model reads as the
         policy's, its scores, from one forward of the reward model (engine/rewards/shared.py); None
         where no reward model is the critic or no row's tokens match (then the two forwards run)."""
-        if self.shared_reward is None or not SHARED_REWARD_FORWARD:
+        if self.shared_reward is None or not self.options.shared_reward_forward:
             return None
         positions = self.shared_reward.score_positions(prompts, responses, generation)
         if (positions < 0).all():
             return None
         return self.shared_reward.forward(generation, positions, self.recipe.ppo.micro_batch_size)
 
-    @torch.no_grad()
-    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: "SampledForward | None" = None,
-                                     fixed_features: torch.Tensor | None = None, old_logprobs: bool = True):
-        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the response mask
-        (values None without a critic: inference), and, for a frozen value model, the features its head
-        read (B, T, H) (else None).
+    # --- log-probs and values -----------------------------------------------------------------------
 
-        ``sampled``: the log-probs (and hidden states) taken from generation's own forward passes
-        (generate_with_logprobs); the policy's forward pass is then skipped. ``fixed_features``: the
-        frozen value model's features already computed (B, T, H) (shared_reward_forward); its forward
-        is then skipped. ``old_logprobs`` False (no critic, a separate reference): no policy forward,
-        and None for the old log-probs (the update's first epoch computes them: defer_old_logprobs).
+    @torch.no_grad()
+    def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: Sampled | None = None,
+                                     fixed_features: torch.Tensor | None = None, old_logprobs: bool = True):
+        """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the action mask
+        (the trained tokens; without a critic the values are NoCritic's zeros), and, for a frozen value
+        model, the features its head read (B, T, H) (else None). ``chunk`` rows at a time.
+
+        ``sampled``: the sampler's result; where its log-probs are the policy's own (policy_logprobs),
+        they (and its hidden states, for a value head) stand for the policy's forward, which is then
+        skipped. ``fixed_features``: the frozen value model's features already computed (B, T, H)
+        (shared_reward_forward); its forward is then skipped. ``old_logprobs`` False (no critic, a
+        separate reference): no policy forward, and None for the old log-probs (the update's first
+        epoch computes them: defer_old_logprobs).
         """
-        if not old_logprobs and (self.actor_critic.critic is not None or self.actor_critic.reference_is_policy):
+        ac = self.actor_critic
+        if not old_logprobs and (ac.critic.trains or ac.reference_is_policy):
             raise ValueError("the old log-probs can be left out only without a critic and with a separate reference")
-        ac, temperature = self.actor_critic, self.recipe.generation.temperature
-        sequences, attention_mask = generation.sequences, generation.attention_mask
+        if sampled is not None and not (sampled.policy_logprobs and sampled.logprobs is not None):
+            sampled = None  # a separate engine's log-probs are compared with the old ones, never used as them
         T = generation.response_ids.shape[1]
         logprobs, ref_logprobs, values, features = [], [], [], []
-        has_critic, keep_features = ac.critic is not None, ac.value_features_fixed
-        for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
-            seq, attn, resp = sequences[rows], attention_mask[rows], generation.response_ids[rows]
-            if not old_logprobs:
-                vals = None
-            elif sampled is None:
-                with self.autocast():
-                    logits, vals = policy_forward(ac, seq, attn, T, temperature)
-                logprobs.append(selective_log_softmax(logits, resp))
-                del logits
-            else:
-                logprobs.append(sampled.logprobs[rows])
-                vals = values_from_hidden(ac, sampled.hidden[rows]) if sampled.hidden is not None else None
-            with torch.inference_mode(INFERENCE_MODE), self.autocast():
-                if ac.reference_is_policy:
-                    ref = logprobs[-1]
-                else:
-                    ref = reference_logprobs(ac, seq, attn, resp, temperature)
-                if keep_features:
+        for rows in torch.arange(generation.response_ids.shape[0], device=generation.response_ids.device).split(chunk):
+            seq, attn = generation.sequences[rows], generation.attention_mask[rows]
+            resp = generation.response_ids[rows]
+            head_values = None  # (b, T) a value head's, when they come with the policy's forward
+            if old_logprobs:
+                lp, head_values = self._old_logprobs(seq, attn, resp, rows, sampled)
+                logprobs.append(lp)
+            with torch.inference_mode(self.options.inference_mode), self.autocast():
+                ref = logprobs[-1] if ac.reference_is_policy else reference_logprobs(ac, seq, attn, resp, self.temperature)
+                if ac.value_features_fixed:
                     features.append(fixed_features[rows] if fixed_features is not None
                                     else ac.critic.features(ac, seq, attn, T).clone())
-                    vals = values_from_hidden(ac, features[-1])
-                if has_critic and vals is None:
-                    vals = value_forward(ac, seq, attn, T)
+                vals = self._old_values(seq, attn, T, head_values, features[-1] if features else None)
             ref_logprobs.append(ref.clone())  # clone: a normal tensor again, usable by the update's autograd
-            if has_critic:
-                values.append(vals.clone())
-        mask = generation.response_mask
-        zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
-        return (zero(logprobs) if old_logprobs else None, zero(ref_logprobs), zero(values) if has_critic else None,
+            values.append(vals.clone())
+        zero = lambda parts: torch.cat(parts).masked_fill(~generation.action_mask, 0.0)  # noqa: E731
+        return (zero(logprobs) if old_logprobs else None, zero(ref_logprobs), zero(values),
                 torch.cat(features) if features else None)
+
+    @property
+    def temperature(self) -> float:
+        return self.recipe.generation.temperature
+
+    def _old_logprobs(self, sequences, attention_mask, response_ids, rows, sampled: Sampled | None):
+        """One chunk's old log-probs (b, T) and, where the critic reads the policy's states, its values
+        (b, T) (else None): from the sampler's own forward when ``sampled`` has them, else from a
+        policy forward under the run's autocast."""
+        ac = self.actor_critic
+        if sampled is None:
+            with self.autocast():
+                logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
+            return selective_log_softmax(logits, response_ids), head_values
+        if not ac.value_reads_policy_hidden:
+            return sampled.logprobs[rows], None
+        if sampled.hidden is None:  # a sampler that kept no hidden states: the head's own forward
+            return sampled.logprobs[rows], value_forward(ac, sequences, attention_mask, response_ids.shape[1])
+        return sampled.logprobs[rows], values_from_hidden(ac, sampled.hidden[rows])
+
+    def _old_values(self, sequences, attention_mask, T: int, head_values, features):
+        """One chunk's old values (b, T): a frozen value model's head over its ``features`` (b, T, H), a
+        value head's ``head_values`` (they came with the old log-probs), else the critic's own forward
+        (NoCritic: zeros)."""
+        ac = self.actor_critic
+        if features is not None:
+            return values_from_hidden(ac, features)
+        if ac.value_reads_policy_hidden:
+            return head_values
+        return value_forward(ac, sequences, attention_mask, T)
 
     def reuses_generation_forward(self) -> bool:
         """Take the old log-probs (and head values) from the generation's own forward passes?
@@ -215,16 +213,19 @@ class Engine:
         head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
         return head is not None and head.weight.dtype == torch.float32
 
+    # --- memory and sizes ---------------------------------------------------------------------------
+
     def store_frozen_weights_in_compute_dtype(self) -> int:
         """Under bf16/fp16 autocast, a LoRA policy's frozen Linear weights stored in that dtype
         (engine/frozen_weights.py: the same numbers, half their memory, no cast per call). One process
         only (FSDP and DeepSpeed shard and flatten the weights themselves); not for a quantized policy
-        (its own kernels) or a vLLM sampler (which reads the weights). Returns the layers stored."""
+        (its own kernels) or a sampler with its own copy of the weights (vLLM: it reads them). Returns
+        the layers stored."""
         from ppo_cli.engine.frozen_weights import store_frozen_linears_in
         from ppo_cli.engine.precision import AUTOCAST_DTYPES
 
         policy = self.actor_critic.policy
-        if (self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler is not None
+        if (self.mixed_precision not in AUTOCAST_DTYPES or self.recipe.policy.lora is None or self.sampler.copies_weights
                 or is_quantized(policy)):
             return 0
         return store_frozen_linears_in(policy, AUTOCAST_DTYPES[self.mixed_precision])
@@ -237,27 +238,29 @@ class Engine:
         forwards = 0 if self.reuses_generation_forward() else policy  # old log-probs
         if not ac.reference_is_policy:
             forwards += count(ac.ref_model) if ac.ref_model is not None else policy
-        critic = ac.critic.forward_parameters(ac, policy) if ac.critic is not None else 0  # the critic's own forward
-        shared = self.shared_reward is not None and SHARED_REWARD_FORWARD  # the reward model's forward serves it
+        critic = ac.critic.forward_parameters(ac, policy)  # the critic's own forward (NoCritic: 0)
+        shared = self.shared_reward is not None and self.options.shared_reward_forward  # the reward model's forward serves it
         forwards += (0 if shared else critic) + sum(count(getattr(scorer, "model", None)) for _, _, scorer in self.reward.scorers)
         trained = policy + (0 if ac.value_features_fixed else critic)
         weight_bytes = sum(p.numel() * p.element_size() for p in ac.policy.parameters())
         return ModelSizes(policy, forwards, trained, weight_bytes)
 
+    # --- the rollout --------------------------------------------------------------------------------
+
     def collect_rollout(self, prompts: list[str], old_logprobs: bool = True) -> Rollout:
         """``old_logprobs`` False: rollout.logprobs a DeferredOldLogprobs, left to the update (defer_old_logprobs)."""
-        # Requests to reward servers and judges go out as rows finish sampling, and the rest right
-        # after it, so their latency overlaps the decoding and the forwards below.
-        stream = self.reward.stream(prompts, self.decode_response) if self.sampler is None else None
+        # Requests to reward servers and judges go out as rows finish sampling (a sampler that streams),
+        # and the rest right after it, so their latency overlaps the decoding and the forwards below.
+        stream = self.reward.stream(prompts, self.decode_response) if self.sampler.streams else None
         pending = None
         try:
             started = time.perf_counter()
-            generation, sampled = self._generate(prompts, from_generation=old_logprobs and self.reuses_generation_forward(),
-                                                 on_finished=stream.finished if stream is not None else None)
+            from_generation = old_logprobs and self.reuses_generation_forward()
+            sampled = self.sample(prompts, with_logprobs=from_generation,
+                                  keep_hidden=from_generation and self.actor_critic.value_reads_policy_hidden,
+                                  on_finished=stream.finished if stream is not None else None)
             self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
-            sampler_logprobs = None
-            if isinstance(sampled, SamplerLogprobs):  # compared with the old log-probs, never used as them
-                sampler_logprobs, sampled = sampled.logprobs, None
+            generation = sampled.generation
             responses = self.decode_responses(generation)
             pending = self.reward.start(prompts, responses, stream=stream)
             shared = self.shared_reward_forward(prompts, responses, generation)
@@ -272,15 +275,34 @@ class Engine:
                 stream.close()
             raise
         result = self.score(prompts, responses, generation, shared, pending)
-        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
-        scored, failures = None, None
-        if self.reward.failable:  # components that may leave an episode without a reward
-            scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
-            failures = {name: result.failures.get(name, "") for name in self.reward.failable}
+        scores, scored, failures = self._score_tensors(result)
         if not old_logprobs:
             logprobs = DeferredOldLogprobs(ref_logprobs)
+        # compared with the old log-probs, never used as them
+        sampler_logprobs = sampled.logprobs if not sampled.policy_logprobs else None
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
                        fixed_features, sampler_logprobs, scored, failures)
+
+    def _score_tensors(self, result: ScoreResult):
+        """The rollout's scores (B,) (0 where not scored) and, where a component may leave an episode
+        without a reward, the scored mask (B,) and each such component's latest failure (else None, None)."""
+        scores = torch.tensor([0.0 if s is None else s for s in result.scores], dtype=torch.float32, device=self.device)
+        if not self.reward.failable:
+            return scores, None, None
+        scored = torch.tensor(result.scored, dtype=torch.bool, device=self.device)
+        return scores, scored, {name: result.failures.get(name, "") for name in self.reward.failable}
+
+
+def make_sampler(recipe: Recipe, device: torch.device, policy: torch.nn.Module, stop_token_id: int, pad_token_id: int,
+                 mixed_precision: str, model=None) -> Sampler:
+    """The sampler generation.backend names, built once at load. ``model``: the ResolvedModel the
+    inference commands sample (vLLM loads its weights / adapter), None when training."""
+    if recipe.generation.backend == "vllm":
+        from ppo_cli.engine.vllm_sampler import VllmSampler
+
+        return VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision,
+                           stop_token_id=stop_token_id, pad_token_id=pad_token_id)
+    return TransformersSampler(recipe.generation, stop_token_id, pad_token_id, mixed_precision, device)
 
 
 def quiet_libraries() -> None:
@@ -298,91 +320,8 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
 
 
-def _tunable_libc():
-    """The C library, where malloc may be tuned: Linux with CPU_MALLOC_TUNING on; None otherwise."""
-    import ctypes
-    import sys
-
-    if not CPU_MALLOC_TUNING or not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def _mallopt():
-    """glibc's mallopt, where malloc may be tuned (_tunable_libc); None otherwise (musl has none)."""
-    return getattr(_tunable_libc(), "mallopt", None)
-
-
-# glibc's mallopt parameters (malloc.h) and its defaults on 64-bit Linux.
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-GLIBC_TRIM_THRESHOLD, GLIBC_TOP_PAD = 128 * 1024, 128 * 1024
-# Under FSDP on CPU, blocks of this size or more are mapped on their own (return_freed_memory).
-FSDP_MMAP_THRESHOLD = 2**20
-
-
-def keep_freed_memory() -> None:
-    """CPU training: stop glibc from returning freed activation memory to the kernel on every free.
-
-    By default glibc maps blocks above a (self-raising) threshold with mmap and unmaps them when they
-    are freed, and trims the heap top once more than 2x that threshold is free. A training step frees
-    and reallocates the same few gigabytes of activations and gradients every micro-batch, so the
-    kernel zeroes and faults in those pages again each time: at the 0.5B shape that was a third of the
-    step's wall time, spent in the kernel. Serving every block up to glibc's 32 MB mmap limit from the
-    heap and (almost) never trimming it keeps those pages resident and reused; the resident set then
-    stays at its peak (which it reaches anyway). A no-op off glibc or with CPU_MALLOC_TUNING off.
-    """
-    mallopt = _mallopt()
-    if mallopt is None:
-        return
-    mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's maximum on 64-bit (also fixes it)
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: trim only above 2 GB free at the top
-    mallopt(M_TOP_PAD, 512 * 2**20)  # grow the heap in large steps
-
-
-def return_freed_memory() -> None:
-    """CPU under FSDP: give every freed block of 1 MB or more back to the kernel at once.
-
-    FSDP gathers a block's whole weights before its forward (and again in the backward) and frees them
-    after, for every block, in the rollout's every decoding step and in the update. With the heap
-    tuned by keep_freed_memory those frees stay resident and the heap grows past them instead of
-    reusing them (docs/benchmarks.md, "FSDP's freed blocks unmapped"); glibc's own thresholds are not
-    enough (it raises its mmap threshold to the largest block freed, so a block's weights come from the
-    heap again). Mapping each
-    block of FSDP_MMAP_THRESHOLD or more on its own (a fixed threshold, with glibc's own top pad and
-    trimming) unmaps it on free; the cost is the kernel faulting the pages in again at each gather.
-    A no-op off glibc or with CPU_MALLOC_TUNING off.
-    """
-    mallopt = _mallopt()
-    if mallopt is None:
-        return
-    mallopt(M_TOP_PAD, GLIBC_TOP_PAD)
-    mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
-    mallopt(M_MMAP_THRESHOLD, FSDP_MMAP_THRESHOLD)  # a fixed value: glibc stops raising it
-
-
-def release_freed_memory() -> None:
-    """CPU: hand the heap's free pages back to the kernel now (glibc malloc_trim), after a large free.
-
-    keep_freed_memory makes glibc keep what is freed, which is right for the update's activations
-    (freed and reallocated every micro-batch) but not for a one-off free: under FSDP each process
-    loads the whole policy before prepare() shards it, and the whole weights, freed there, would
-    stay in the resident set for the rest of the run. A no-op off glibc or with CPU_MALLOC_TUNING off.
-    """
-    libc = _tunable_libc()
-    if libc is None:
-        return
-    import gc
-
-    gc.collect()
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:  # musl has none
-        trim(0)
-
-
-def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precision: str | None = None) -> Engine:
+def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precision: str | None = None,
+                options: EngineOptions = EngineOptions()) -> Engine:
     """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
     (accelerate's) device when several processes train, else resolved from train.device;
     ``mixed_precision`` the run's (Distributed.mixed_precision), else train.mixed_precision resolved."""
@@ -392,7 +331,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     check_mixed_precision(mixed_precision, device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
-    if device.type == "cpu":
+    if device.type == "cpu" and options.cpu_malloc_tuning:
         keep_freed_memory()
     pol = recipe.policy
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
@@ -405,13 +344,9 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
         for model in [actor_critic.policy, actor_critic.ref_model, *reward_models.values()]:
             if model is not None and is_quantized(model):
                 own_unquantized_tensors(model)
-    sampler = None
-    if recipe.generation.backend == "vllm":
-        from ppo_cli.engine.vllm_sampler import VllmSampler
-
-        sampler = VllmSampler(recipe, device, actor_critic.policy, mixed_precision=mixed_precision)
+    sampler = make_sampler(recipe, device, actor_critic.policy, stop_token_id, tokenizer.pad_token_id, mixed_precision)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision,
-                  shared_reward=SharedRewardModel.find(reward, actor_critic))
+                  shared_reward=SharedRewardModel.find(reward, actor_critic), options=options)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ppo_cli.engine.actor_critic import ActorCritic
+from ppo_cli.engine.critics import NoCritic
 from ppo_cli.engine.generate import resolve_stop_token_id
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
@@ -22,7 +23,7 @@ from ppo_cli.engine.models import (
 )
 from ppo_cli.engine.precision import check_mixed_precision, recipe_mixed_precision
 from ppo_cli.engine.rewards.stack import RewardStack
-from ppo_cli.engine.engine import Engine, quiet_libraries
+from ppo_cli.engine.engine import Engine, make_sampler, quiet_libraries
 from ppo_cli.errors import ModelLoadError, first_line
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
@@ -39,7 +40,7 @@ class InferencePolicy(ActorCritic):
 
     def __init__(self, policy: torch.nn.Module, ref_model: torch.nn.Module | None = None, reference_is_policy: bool = False):
         policy.requires_grad_(False)
-        super().__init__(policy, critic=None, value_head=None, ref_model=ref_model)
+        super().__init__(policy, critic=NoCritic(), value_head=None, ref_model=ref_model)
         self.reference_is_policy = reference_is_policy
 
 
@@ -120,11 +121,8 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     # Sampled and scored under the training run's autocast (train.mixed_precision), as its rollouts were.
     mixed_precision = recipe_mixed_precision(recipe, device)
     check_mixed_precision(mixed_precision, device)
-    sampler = None
-    if recipe.generation.backend == "vllm":  # sampled as `ppo train` samples with this recipe
-        from ppo_cli.engine.vllm_sampler import VllmSampler
-
-        sampler = VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision)
+    # sampled as `ppo train` samples with this recipe (vLLM: on the model's weights / saved adapter)
+    sampler = make_sampler(recipe, device, policy, stop_token_id, tokenizer.pad_token_id, mixed_precision, model=model)
     return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, sampler=sampler, mixed_precision=mixed_precision)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ppo_cli.engine.sampler import Sampled, trimmed, with_budget
 from ppo_cli.errors import UsageError, first_line
 from ppo_cli.recipe import GenerationConfig, Recipe
 from ppo_cli.types import Generation
@@ -279,11 +280,15 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> bool:
 
 class VllmSampler:
     """Owns the in-process vllm.LLM; ``generate`` samples one response per prompt row from the
-    current policy (a group of generation.num_generations equal rows as one request of n completions). Built by load_engine when generation.backend is vllm."""
+    current policy (a group of generation.num_generations equal rows as one request of n completions).
+    A Sampler (engine/sampler.py): built by engine.make_sampler when generation.backend is vllm."""
+
+    streams = False  # vLLM hands back whole batches: the reward requests go out after sampling
+    copies_weights = True  # its own copy of the policy's weights, synced before each generation
 
     def __init__(self, recipe: Recipe, device: torch.device, policy: torch.nn.Module, model=None,
-                 mixed_precision: str = "no"):
-        """``model``: the ResolvedModel `ppo rollout / eval / compare` sample (weights that never change:
+                 mixed_precision: str = "no", stop_token_id: int | None = None, pad_token_id: int | None = None):
+        """``stop_token_id`` / ``pad_token_id``: the tokenizer's, for ``sample``. ``model``: the ResolvedModel `ppo rollout / eval / compare` sample (weights that never change:
         its LoRA adapter is handed to vLLM as saved, other weights are vLLM's own load of the same
         files, or, with policy.adapter merged in at load, copied over once); None when training.
         ``mixed_precision``: the run's resolved train.mixed_precision (engine_dtype)."""
@@ -295,6 +300,7 @@ class VllmSampler:
         from ppo_cli.engine.models import unwrap_causal_lm
 
         self.recipe, self.device = recipe, device
+        self.stop_token_id, self.pad_token_id = stop_token_id, pad_token_id
         self.is_lora = recipe.policy.lora is not None if model is None else model.adapter_dir is not None
         self._fixed = model  # inference: nothing to follow after the first sync
         self._synced = False
@@ -365,15 +371,24 @@ class VllmSampler:
 
     # --- sampling ----------------------------------------------------------------------------------
 
+    def sample(self, policy, prompt_ids, prompt_mask, *, with_logprobs=False, keep_hidden=False, on_finished=None,
+               max_new_tokens=None) -> Sampled:
+        """The Sampler protocol: ``generate``, trimmed; vLLM's log-probs always (they come with the
+        tokens), never the policy's (policy_logprobs False), no hidden states; ``on_finished`` ignored."""
+        generation, logprobs = self.generate(policy, prompt_ids, prompt_mask, self.stop_token_id, self.pad_token_id,
+                                             max_new_tokens=max_new_tokens)
+        return trimmed(generation, logprobs, None, policy_logprobs=False)
+
     @torch.no_grad()
     def generate(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, stop_token_id: int,
-                 pad_token_id: int) -> tuple[Generation, torch.Tensor]:
+                 pad_token_id: int, max_new_tokens: int | None = None) -> tuple[Generation, torch.Tensor]:
         """generate.generate's Generation for these left-padded prompts, plus vLLM's log-prob (B, T) of
-        each sampled token under the distribution it drew it from (0 outside the response mask)."""
+        each sampled token under the distribution it drew it from (0 outside the response mask);
+        ``max_new_tokens``: this call's budget (None: generation.max_new_tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        gen = self.recipe.generation
+        gen = with_budget(self.recipe.generation, max_new_tokens)
         if self.sleep_mode:
             self.llm.wake_up()
         self.sync(policy)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ppo_cli.engine.critics import HeadCritic, NoCritic
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.train_setup import init_state
 from ppo_cli.trainer import compute_advantages, defer_old_logprobs, fill_in_old_logprobs, optimise, train_step
@@ -23,7 +24,7 @@ def _ppo(**sets):
     return load_recipe(RECIPE, [f"{k}={v}" for k, v in {**SMALL, **sets}.items()]).ppo
 
 
-def _engine(critic=None):
+def _engine(critic=NoCritic()):
     return SimpleNamespace(actor_critic=SimpleNamespace(critic=critic, reference_is_policy=False))
 
 
@@ -32,7 +33,7 @@ def test_defer_old_logprobs_only_where_nothing_reads_them_before_an_unchanged_po
     assert not defer_old_logprobs(_ppo(), _engine(), episodes=8)  # two mini-batches: the second sees a moved policy
     assert not defer_old_logprobs(_ppo(**{"ppo.advantage": "rloo"}), _engine(), episodes=4)  # the KL in the reward
     assert not defer_old_logprobs(_ppo(**{"ppo.kl_penalty": "reward"}), _engine(), episodes=4)
-    assert not defer_old_logprobs(_ppo(), _engine(critic=object()), episodes=4)  # a value head reads that forward
+    assert not defer_old_logprobs(_ppo(), _engine(critic=HeadCritic()), episodes=4)  # a value head reads that forward
 
 
 def test_deferred_old_logprobs_take_records_each_micro_batch_and_returns_them_zeroed_outside_the_mask():

@@ -1,4 +1,4 @@
-"""keep_freed_memory: on glibc, freed activation-sized blocks stay in the process for reuse instead of
+"""engine/malloc.py keep_freed_memory: on glibc, freed activation-sized blocks stay in the process for reuse instead of
 being unmapped and faulted in again (docs/benchmarks.md: backward 9.8 -> 5.8 s at the 0.5B shape)."""
 
 import ctypes
@@ -7,13 +7,19 @@ import sys
 
 import pytest
 
+import torch
+
 from ppo_cli.engine import engine as engine_module
+from ppo_cli.engine.engine import EngineOptions
+from ppo_cli.recipe_loading import load_recipe
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 PROBE = """
 import os, sys, torch
-from ppo_cli.engine import engine as engine_module
-engine_module.CPU_MALLOC_TUNING = sys.argv[1] == "on"
-engine_module.keep_freed_memory()
+from ppo_cli.engine import malloc
+if sys.argv[1] == "on":  # EngineOptions.cpu_malloc_tuning
+    malloc.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -45,19 +51,29 @@ def test_freed_block_stays_resident_only_when_tuned():
     assert _released_mb("on") < 4  # tuned: it went back to the heap, pages kept for the next tensor
 
 
-@pytest.mark.parametrize("tune", ["keep_freed_memory", "return_freed_memory", "release_freed_memory"])
-def test_switch_off_leaves_malloc_alone(monkeypatch, tune):
+class _StopLoading(Exception):
+    pass
+
+
+def _raise_stop(*args, **kwargs):
+    raise _StopLoading
+
+
+@pytest.mark.parametrize("tuning", [False, True])
+def test_load_engine_tunes_malloc_on_cpu_only_when_its_options_say(monkeypatch, tuning):
     calls = []
-    monkeypatch.setattr(engine_module, "CPU_MALLOC_TUNING", False)
-    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: calls.append(a))
-    getattr(engine_module, tune)()
-    assert calls == []
+    monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(engine_module, "load_tokenizer", _raise_stop)  # stop before any model loads
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", ["train.num_threads=null"])
+    with pytest.raises(_StopLoading):
+        engine_module.load_engine(recipe, torch.device("cpu"), "no", options=EngineOptions(cpu_malloc_tuning=tuning))
+    assert calls == (["keep"] if tuning else [])
 
 
 RELEASE_PROBE = """
 import os, sys, torch
-from ppo_cli.engine import engine as engine_module
-engine_module.keep_freed_memory()
+from ppo_cli.engine import malloc
+malloc.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -65,7 +81,7 @@ blocks = [torch.ones(8 * 2**20 // 4) for _ in range(32)]  # 256 MB of weight-siz
 held = resident()
 del blocks
 kept = resident()
-engine_module.release_freed_memory()
+malloc.release_freed_memory()
 print(held - kept, kept - resident())
 """
 
@@ -81,9 +97,9 @@ def test_release_hands_a_large_free_back_to_the_kernel():
 
 RETURN_PROBE = """
 import os, sys, torch
-from ppo_cli.engine import engine
-engine.keep_freed_memory()
-engine.return_freed_memory()
+from ppo_cli.engine import malloc
+malloc.keep_freed_memory()
+malloc.return_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

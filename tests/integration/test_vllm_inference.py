@@ -77,13 +77,14 @@ def test_vllm_picks_the_transformers_policys_argmax_at_a_tiny_temperature(run, p
 
     from ppo_cli.commands.rollout import release
     from ppo_cli.engine.inference import load_inference_engine
+    from ppo_cli.engine.vllm_sampler import VllmSampler
     from ppo_cli.model_refs import resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
 
     recipe = load_recipe(run / "recipe.yaml", ["generation.backend=vllm", f"generation.temperature={GREEDY}",
                                                f"generation.max_new_tokens={MAX_NEW_TOKENS}"])
     engine = load_inference_engine(recipe, resolve_model_reference(model, run))
-    assert engine.sampler is not None
+    assert isinstance(engine.sampler, VllmSampler)
     torch.manual_seed(0)
     g = engine.generate(prompts.read_text().splitlines())
     sequences = torch.cat([g.prompt_ids, g.response_ids], dim=1)  # (B, P + T)

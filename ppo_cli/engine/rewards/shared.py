@@ -46,7 +46,7 @@ class SharedRewardModel:
         from transformers.modeling_layers import GenericForSequenceClassification
 
         ac = actor_critic
-        if ac.critic is None or ac.value_backbone is None or not ac.value_features_fixed:
+        if ac.value_backbone is None or not ac.value_features_fixed:
             return None
         for index, (_, _, scorer) in enumerate(reward.scorers):
             model = getattr(scorer, "model", None)

@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo_cli.engine import engine as engine_module
+from ppo_cli.engine.engine import EngineOptions, load_engine
 from ppo_cli.engine.rewards.stack import RewardStack
-from ppo_cli.engine.engine import load_engine
 from ppo_cli.engine.rewards.shared import SharedRewardModel
 from ppo_cli.recipe import RewardConfig
 from ppo_cli.recipe_loading import load_recipe
@@ -98,10 +97,10 @@ def _rollout_both_ways(engine, monkeypatch):
     """The same rollout (same seed) with one forward and with the two forwards."""
     torch.manual_seed(1)
     one = engine.collect_rollout(PROMPTS)
-    monkeypatch.setattr(engine_module, "SHARED_REWARD_FORWARD", False)
+    monkeypatch.setattr(engine, "options", EngineOptions(shared_reward_forward=False))
     torch.manual_seed(1)
     two = engine.collect_rollout(PROMPTS)
-    monkeypatch.setattr(engine_module, "SHARED_REWARD_FORWARD", True)
+    monkeypatch.setattr(engine, "options", EngineOptions())
     assert torch.equal(one.generation.sequences, two.generation.sequences)
     return one, two
 
@@ -143,7 +142,7 @@ def test_the_reward_model_runs_once_per_rollout_batch(tiny_models, tmp_path, mon
     engine.collect_rollout(PROMPTS)
     # 8 rows in micro-batches of 4: two backbone forwards, the reward model's own never
     assert calls == {"reward model": 0, "backbone": 2}
-    monkeypatch.setattr(engine_module, "SHARED_REWARD_FORWARD", False)
+    monkeypatch.setattr(engine, "options", EngineOptions(shared_reward_forward=False))
     calls.update({"reward model": 0, "backbone": 0})
     torch.manual_seed(1)
     engine.collect_rollout(PROMPTS)

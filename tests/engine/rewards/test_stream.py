@@ -109,9 +109,9 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
     engine = load_engine(recipe)
     streams, ended = [], []
-    make_stream, generate = engine.reward.stream, engine._generate
+    make_stream, sample = engine.reward.stream, engine.sample
     engine.reward.stream = lambda *args: streams.append(make_stream(*args)) or streams[-1]
-    engine._generate = lambda *args, **kwargs: (generate(*args, **kwargs), ended.append(time.monotonic()))[0]
+    engine.sample = lambda *args, **kwargs: (sample(*args, **kwargs), ended.append(time.monotonic()))[0]
     prompts = ["The movie was", "I think the book was", "This phone is", "Overall, the product is"] * 2
     torch.manual_seed(0)
     rollout = engine.collect_rollout(prompts)
@@ -131,7 +131,7 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
         raise RuntimeError("out of memory")
 
     server.delay_s = 3.0
-    engine._generate = failing
+    engine.sample = failing
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.collect_rollout(prompts)

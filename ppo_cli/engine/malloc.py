@@ -1,0 +1,92 @@
+"""CPU: glibc malloc tuned for training (mallopt, malloc_trim through ctypes).
+
+Each function is a no-op off glibc. Whether to tune at all is the caller's choice
+(EngineOptions.cpu_malloc_tuning: load_engine, and Distributed.prepare under FSDP).
+"""
+
+from __future__ import annotations
+
+
+def _tunable_libc():
+    """The C library, where malloc may be tuned: Linux; None otherwise."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _mallopt():
+    """glibc's mallopt, where malloc may be tuned (_tunable_libc); None otherwise (musl has none)."""
+    return getattr(_tunable_libc(), "mallopt", None)
+
+
+# glibc's mallopt parameters (malloc.h) and its defaults on 64-bit Linux.
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+GLIBC_TRIM_THRESHOLD, GLIBC_TOP_PAD = 128 * 1024, 128 * 1024
+# Under FSDP on CPU, blocks of this size or more are mapped on their own (return_freed_memory).
+FSDP_MMAP_THRESHOLD = 2**20
+
+
+def keep_freed_memory() -> None:
+    """CPU training: stop glibc from returning freed activation memory to the kernel on every free.
+
+    By default glibc maps blocks above a (self-raising) threshold with mmap and unmaps them when they
+    are freed, and trims the heap top once more than 2x that threshold is free. A training step frees
+    and reallocates the same few gigabytes of activations and gradients every micro-batch, so the
+    kernel zeroes and faults in those pages again each time: at the 0.5B shape that was a third of the
+    step's wall time, spent in the kernel. Serving every block up to glibc's 32 MB mmap limit from the
+    heap and (almost) never trimming it keeps those pages resident and reused; the resident set then
+    stays at its peak (which it reaches anyway). A no-op off glibc.
+    """
+    mallopt = _mallopt()
+    if mallopt is None:
+        return
+    mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's maximum on 64-bit (also fixes it)
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: trim only above 2 GB free at the top
+    mallopt(M_TOP_PAD, 512 * 2**20)  # grow the heap in large steps
+
+
+def return_freed_memory() -> None:
+    """CPU under FSDP: give every freed block of 1 MB or more back to the kernel at once.
+
+    FSDP gathers a block's whole weights before its forward (and again in the backward) and frees them
+    after, for every block, in the rollout's every decoding step and in the update. With the heap
+    tuned by keep_freed_memory those frees stay resident and the heap grows past them instead of
+    reusing them: measured at the 0.5B shape with LoRA, 2 processes, each peaked at 6.4 GB (1.9 GB
+    above the live tensors in the update's forward, 1.7 GB in the rollout), 3.95 GB with this on
+    (docs/benchmarks.md); glibc's own thresholds are not enough (it raises its mmap threshold to the
+    largest block freed, so the 17 MB weights come from the heap again). Mapping each
+    block of FSDP_MMAP_THRESHOLD or more on its own (a fixed threshold, with glibc's own top pad and
+    trimming) unmaps it on free; the cost is the kernel faulting the pages in again at each gather.
+    A no-op off glibc.
+    """
+    mallopt = _mallopt()
+    if mallopt is None:
+        return
+    mallopt(M_TOP_PAD, GLIBC_TOP_PAD)
+    mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
+    mallopt(M_MMAP_THRESHOLD, FSDP_MMAP_THRESHOLD)  # a fixed value: glibc stops raising it
+
+
+def release_freed_memory() -> None:
+    """CPU: hand the heap's free pages back to the kernel now (glibc malloc_trim), after a large free.
+
+    keep_freed_memory makes glibc keep what is freed, which is right for the update's activations
+    (freed and reallocated every micro-batch) but not for a one-off free: under FSDP each process
+    loads the whole policy before prepare() shards it, and the whole weights, freed there, would
+    stay in the resident set for the rest of the run. A no-op off glibc.
+    """
+    libc = _tunable_libc()
+    if libc is None:
+        return
+    import gc
+
+    gc.collect()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:  # musl has none
+        trim(0)
