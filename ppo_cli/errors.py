@@ -7,7 +7,7 @@ with ``--debug``.
 
 from __future__ import annotations
 
-# Exit codes (documented in README.md).
+# Exit codes (documented in docs/errors.md; tests/test_docs.py checks its table).
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
 EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference

