@@ -97,7 +97,7 @@ class ToolsEnvironment:
 
         async def answer(call):
             if call.error is not None:
-                return call.error, True
+                return f"error: {call.error}", True
             said = await call_tool(self.tools, call.name, call.arguments, self.timeout_s)
             return said.content, said.error
 

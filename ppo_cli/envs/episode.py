@@ -171,7 +171,8 @@ def check_template_round_trip(tokenizer, conversations: list[list[Message]], sto
     require the result to equal the template's rendering of the whole conversation, tokenized, up to the
     last stop token. One line naming the fix when it does not."""
     stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False)
-    name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    path = getattr(tokenizer, "name_or_path", "")
+    whose = f"the chat template of '{path}'" if path else "the tokenizer's chat template"
     for conversation in conversations:
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         ids = encode(tokenizer, render(tokenizer, conversation[:first], tools, add_generation_prompt=True))
@@ -192,5 +193,5 @@ def check_template_round_trip(tokenizer, conversations: list[list[Message]], sto
                 raise TemplateRewrites("a conversation rendered whole differs from its turns appended one by one")
         except TemplateRewrites as why:
             raise EnvironmentSetupError(
-                f"the chat template of '{name}' cannot build episodes token by token ({why}): the trained tokens would "
+                f"{whose} cannot build episodes token by token ({why}): the trained tokens would "
                 "not be the sampled ones", hint=REWRITES_HINT) from None
