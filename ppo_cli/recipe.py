@@ -652,7 +652,7 @@ class EnvironmentConfig(Section):
                   "http": ("url", "e.g. url: http://127.0.0.1:8080")}
         key, example = needed[self.type]
         if not getattr(self, "class_" if key == "class" else key):
-            raise _rule_error(f"type '{self.type}' needs environment.{key}", example, key=key)
+            raise _rule_error(f"needed by type '{self.type}'", example, key=key)
         owners = {"tools": "tools", "class": "python", "kwargs": "python", "url": "http", "headers": "http"}
         for name, owner in owners.items():
             if owner != self.type and getattr(self, "class_" if name == "class" else name):

@@ -53,6 +53,7 @@ def make_server(port: int, low: int = 1, high: int = 10) -> ThreadingHTTPServer:
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
+    server.episodes = episodes  # the open episodes, for a look from outside
     return server
 
 
