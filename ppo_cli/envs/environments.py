@@ -183,7 +183,8 @@ class EnvironmentFactory:
         self.environment_class = None
         if environment.type == "python":
             self.environment_class = import_named(environment.class_, "environment class")
-            if not inspect.isclass(self.environment_class) or not callable(getattr(self.environment_class, "step", None)):
+            if not inspect.isclass(self.environment_class) or not all(
+                    callable(getattr(self.environment_class, method, None)) for method in ("reset", "step")):
                 raise EnvironmentSetupError(f"environment class '{environment.class_}' is not a class with reset and step",
                                             hint="def reset(self, row, seed) and def step(self, message)")
         self.policy = Policy(environment.timeout_s, environment.retries, environment.retry_backoff_s,

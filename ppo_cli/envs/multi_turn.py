@@ -109,7 +109,8 @@ class MultiTurnSampler:
         self.stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False)
         self.tools = tool_schemas(factory.tools) or None  # what the template shows (type tools)
         # Refused here, before any episode runs: a tool format not read, a template that rewrites history.
-        self.tool_call_format = resolve_tool_call_format(tokenizer, environment.tool_call_format)
+        self.tool_call_format = (resolve_tool_call_format(tokenizer, environment.tool_call_format)
+                                 if environment.type == "tools" else environment.tool_call_format)
         check_template_round_trip(tokenizer, sample_conversations(factory.observation_role), stop_token_id, self.tools)
 
     def sample(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, starts: list[EpisodeStart],

@@ -52,8 +52,9 @@ def response(result, b):
 def test_scripted_tool_episodes_give_the_exact_tokens_masks_and_endings(chatml):
     S = stop(chatml)
     turns = [[CALL, WRONG, MALFORMED, "It is 84."], ["The answer is 84.", "It is 84.", MALFORMED], [MALFORMED]]
+    told = []
     result, inner, prompts = run(chatml, {**TOOLS, "max_turns": 3}, turns, ["What is 12 times 7?"] * 4,
-                                 with_logprobs=True, keep_hidden=True)
+                                 with_logprobs=True, keep_hidden=True, on_finished=lambda rows, ids: told.append((rows, ids)))
 
     def tool_delta(content):
         return ids(chatml, f"\n<|im_start|>tool\n{content}<|im_end|>\n<|im_start|>assistant\n")
@@ -98,6 +99,10 @@ def test_scripted_tool_episodes_give_the_exact_tokens_masks_and_endings(chatml):
     assert inner.calls[1][0][0] == prompts[0] + ids(chatml, CALL) + [S] + tool_delta("84")
     assert inner.calls[0][1] == 256
     assert inner.calls[2][1] == 256 - len(response(result, 2)[0]) + len(ids(chatml, MALFORMED)) + 1
+    # Each episode is told as it ends, with its last turn's ids (what the rewards score).
+    assert told == [([3], [ids(chatml, "It is 84.") + [S]]),
+                    ([0, 1], [ids(chatml, "The answer is 84.") + [S], ids(chatml, "It is 84.") + [S]]),
+                    ([2], [ids(chatml, MALFORMED) + [S]])]
     metrics = episode_metrics(records)
     assert metrics["env/turns"] == 2.0 and metrics["env/tool_calls"] == 5 / 4 and metrics["env/tool_errors"] == 1.0
     assert metrics["env/ended_by/done"] == 0.75 and metrics["env/ended_by/max_turns"] == 0.25
@@ -256,3 +261,34 @@ def test_async_environment_methods_are_awaited_and_closed(chatml, envs_file):
     assert [(r.ended_by, r.step_reward, r.turns) for r in result.episodes] == [("max_turns", 1.0, 2)] * 2
     module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == envs_file)
     assert len(module.Async.closed) == 2
+
+
+def test_steps_of_different_episodes_run_at_most_max_concurrency_at_once(chatml, tmp_path):
+    (tmp_path / "counted.py").write_text(
+        "import asyncio\n"
+        "class Counted:\n"
+        "    running = 0\n"
+        "    most = 0\n"
+        "    def reset(self, row, seed):\n"
+        "        return None\n"
+        "    async def step(self, message):\n"
+        "        Counted.running += 1\n"
+        "        Counted.most = max(Counted.most, Counted.running)\n"
+        "        await asyncio.sleep(0.05)\n"
+        "        Counted.running -= 1\n"
+        "        return {\"done\": True}\n")
+    result, _, _ = run(chatml, {"type": "python", "class": f"{tmp_path}/counted.py:Counted", "max_concurrency": 2},
+                       [["1", "2", "3", "4", "5"]], list("abcde"))
+    import sys
+
+    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == f"{tmp_path}/counted.py")
+    assert module.Counted.most == 2
+    assert [r.ended_by for r in result.episodes] == ["done"] * 5
+
+
+def test_an_environment_class_without_reset_and_step_is_refused(tmp_path):
+    from ppo_cli.errors import EnvironmentSetupError
+
+    (tmp_path / "half.py").write_text("class Half:\n    def step(self, message):\n        return {}\n")
+    with pytest.raises(EnvironmentSetupError, match="is not a class with reset and step$"):
+        EnvironmentFactory(EnvironmentConfig.model_validate({"type": "python", "class": f"{tmp_path}/half.py:Half"}))

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ppo_cli.envs.tool_calls import ToolCall, parse_tool_calls, resolve_tool_call_format, text_before_calls
+from ppo_cli.envs.tool_calls import (
+    ToolCall,
+    describe_tools,
+    parse_tool_calls,
+    resolve_tool_call_format,
+    template_renders_tools,
+    text_before_calls,
+)
 from ppo_cli.errors import EnvironmentSetupError
 
 
@@ -42,3 +49,11 @@ def test_auto_is_hermes_for_chatml_and_refuses_a_template_with_a_format_of_its_o
         resolve_tool_call_format(own, "auto")
     assert info.value.hint == "set environment.tool_call_format: hermes (the tools are then offered, and read, in hermes form)"
     assert resolve_tool_call_format(own, "hermes") == "hermes"
+
+
+def test_describe_tools_lists_each_schema_in_hermes_form(chatml):
+    schema = {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {}}}
+    text = describe_tools([schema])
+    assert '<tools>\n{"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {}}}\n</tools>' in text
+    assert text.endswith('<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    assert template_renders_tools(chatml) is False  # SmolLM2's ChatML: the tools go in the system message
