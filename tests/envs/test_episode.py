@@ -56,3 +56,25 @@ def test_cut_middle_keeps_head_and_tail_with_a_marker(chatml):
     cut = cut_middle(chatml, text, 6)
     assert cut == (chatml.decode(full[:3]) + f"\n[... {len(full) - 6} tokens cut ...]\n" + chatml.decode(full[-3:]))
     assert cut_middle(chatml, "Higher.", 6) == "Higher."
+
+
+# Qwen2.5's way with tool answers: consecutive tool messages share one user turn, each in <tool_response>.
+GROUPS_TOOL_ANSWERS = (
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_groups_tool_answers_gets_one_delta_per_step_and_passes(chatml):
+    grouping = chatml.__class__(tokenizer_object=chatml.backend_tokenizer, eos_token="<|im_end|>", pad_token="<pad>")
+    grouping.chat_template = GROUPS_TOOL_ANSWERS
+    check_template_round_trip(grouping, sample_conversations("tool"), grouping.convert_tokens_to_ids("<|im_end|>"))
+    history = [{"role": "user", "content": "Add."}, {"role": "assistant", "content": "calls"}]
+    observation = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]
+    assert observation_ids(grouping, history, observation, "<|im_end|>") == ids(
+        grouping, "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response>"
+                  "<|im_end|>\n<|im_start|>assistant\n")
