@@ -156,9 +156,10 @@ def train(
 
     resolved = load_recipe(recipe, overrides or ())
     if num_processes > 1:  # refused before launching
-        from ppo_cli.commands.inputs import check_vllm_backend
+        from ppo_cli.commands.inputs import check_environment, check_vllm_backend
 
         check_vllm_backend(resolved, num_processes)
+        check_environment(resolved, num_processes)
     if num_processes > 1 or accelerate_config is not None:
         from ppo_cli.launch import launch_train
 

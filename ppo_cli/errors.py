@@ -69,6 +69,14 @@ class RewardServerUnreachable(UsageError):
     """A reward server or judge does not answer before training starts, or its credentials are missing."""
 
 
+class EnvironmentSetupError(UsageError):
+    """An episode environment (its tools, class or server) cannot be used: not found, wrong signature, no docstring."""
+
+
+class EnvironmentFailed(PpoError):
+    """An environment's step failed with environment.on_failure: error (the user's environment, not ours)."""
+
+
 class TrainingError(PpoError):
     """Training cannot go on (for example, repeated non-finite updates)."""
 

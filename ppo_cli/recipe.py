@@ -603,6 +603,78 @@ class LoggingConfig(Section):
         return self
 
 
+class EnvironmentConfig(Section):
+    """Episodes with several turns: what the policy talks to between its turns (ppo_cli/envs/)."""
+
+    # `class` is a Python keyword: the field is class_, written `class` in the recipe and in its dump.
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+    type: Literal["tools", "python", "http"] = Field(
+        ..., description="tools: the policy calls the functions in `tools`; python: a class of yours (`class`, built with "
+        "`kwargs`) with reset/step/close; http: a server's POST /reset, /step, /close at `url`.",
+    )
+    tools: list[Annotated[str, Field(pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        [], description="type tools: 'path/to/file.py:function' or 'package.module:function' (def or async def), its JSON "
+        "schema read from its type hints and Google-style docstring, as TRL's tools=.",
+    )
+    class_: str | None = Field(
+        None, alias="class", pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$",
+        description="type python: 'path/to/file.py:Class' with reset(row, seed), step(message), close() (sync or async).",
+    )
+    kwargs: dict[str, Any] = Field({}, description="type python: keyword arguments the class is built with.")
+    url: str | None = Field(None, description="type http: the server's base URL; POST url/reset, url/step, url/close.")
+    headers: dict[str, str] = Field(
+        {}, description="type http: request headers; ${VAR} is read from the environment when a request is sent. "
+        "Credentials (Authorization, *key*, *token*) must be ${VAR}.",
+    )
+    timeout_s: float = Field(10.0, gt=0.0, description="Seconds one tool call, one step or one request may take.")
+    retries: int = Field(3, ge=0, le=20, description="type http: retries after a timeout, a connection error, HTTP 429 or 5xx.")
+    retry_backoff_s: float = Field(0.5, ge=0.0, description="type http: first retry's wait; doubled each retry, jittered.")
+    max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")
+    max_episode_tokens: int = Field(
+        256, gt=0, description="Every token after the prompt, the policy's and the environment's: the one budget."
+    )
+    max_observation_tokens: int = Field(
+        128, gt=0, description="An environment message longer than this is cut in the middle (head and tail kept).",
+    )
+    max_concurrency: int = Field(8, ge=1, description="Episodes whose steps run at once.")
+    tool_call_format: Literal["auto", "hermes"] = Field(
+        "auto", description="auto: the chat template's own when it writes hermes calls (or has no tool format); hermes: "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.',
+    )
+    on_failure: Literal["skip", "error"] = Field(
+        "skip", description="An environment step that raises or times out: skip: the episode leaves the update and is "
+        "counted (env/failed_rate); error: stop the run.",
+    )
+
+    @model_validator(mode="after")
+    def _keys_fit_type(self) -> "EnvironmentConfig":
+        needed = {"tools": ("tools", "e.g. tools: [recipes/tools/calculator.py:calculate]"),
+                  "python": ("class", "e.g. class: recipes/envs/guess.py:GuessNumber"),
+                  "http": ("url", "e.g. url: http://127.0.0.1:8080")}
+        key, example = needed[self.type]
+        if not getattr(self, "class_" if key == "class" else key):
+            raise _rule_error(f"needed by type '{self.type}'", example, key=key)
+        owners = {"tools": "tools", "class": "python", "kwargs": "python", "url": "http", "headers": "http"}
+        for name, owner in owners.items():
+            if owner != self.type and getattr(self, "class_" if name == "class" else name):
+                raise _rule_error(f"only used with type '{owner}', but the type is '{self.type}'",
+                                  f"remove environment.{name}, or set environment.type: {owner}", key=name)
+        for name, value in self.headers.items():
+            if SECRET_HEADER.search(name) and "${" not in value:
+                raise _rule_error(f"header '{name}' holds a literal credential",
+                                  "put it in an environment variable and write e.g. 'Bearer ${ENV_TOKEN}'", key="headers")
+        if self.url is not None:
+            from urllib.parse import urlsplit
+
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise _rule_error(f"'{self.url}' is not an http(s) URL", "write it as http://HOST:PORT or https://...", key="url")
+            if (self.headers and parts.scheme == "http" and not is_loopback_host(parts.hostname)
+                    and any(SECRET_HEADER.search(n) for n in self.headers)):
+                raise _rule_error(f"would send credentials over plain http to {parts.hostname}", "use https", key="url")
+        return self
+
+
 class Recipe(Section):
     name: str = Field(
         ...,
@@ -623,6 +695,9 @@ class Recipe(Section):
     train: TrainConfig = Field(..., description="Run length, checkpointing, logging and device.")
     monitor: MonitorConfig = Field(MonitorConfig(), description="Health warnings: thresholds of the rules watching the metrics.")
     logging: LoggingConfig = Field(LoggingConfig(), description="TensorBoard and experiment trackers, besides metrics.jsonl.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="Episodes with several turns (tools, a python or http environment); absent: one prompt, one answer."
+    )
 
     @property
     def episodes_per_update(self) -> int:

@@ -55,6 +55,7 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
         note(f"model: {model.describe()}")
     if models:  # before the reward model or any policy loads
         check_vllm_backend(loaded, models=models)
+    check_environment(loaded)
     return loaded, models
 
 
@@ -70,6 +71,19 @@ def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
     check_vllm_installed()
     for model in models:
         check_can_sample(model)
+
+
+def check_environment(recipe, world_size: int = 1) -> None:
+    """The recipe's environment section (episodes with several turns), refused in one line before
+    anything loads where a command cannot run it. Every command's check, beside check_vllm_backend."""
+    if recipe.environment is None:
+        return
+    from ppo_cli.errors import RecipeError
+
+    raise RecipeError(
+        "environment: episodes with several turns are not wired into the commands yet",
+        hint="remove the environment section; its pieces are in ppo_cli/envs/ (docs/multi_turn.md)",
+    )
 
 
 def command_prompts(path, field, recipe, note: Callable[[str], None]):

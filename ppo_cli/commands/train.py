@@ -70,11 +70,12 @@ def peak_memory_gb() -> float:
 def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
     """Everything that can fail before a model is loaded: `ppo validate`'s file and server checks (with
     the reward functions imported), the vLLM backend for this many processes, the trackers."""
-    from ppo_cli.commands.inputs import check_vllm_backend
+    from ppo_cli.commands.inputs import check_environment, check_vllm_backend
     from ppo_cli.commands.validate import check_recipe_files
     from ppo_cli.tracking import check_trackers
 
     check_vllm_backend(recipe, int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch / torchrun
+    check_environment(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     prompts, eval_prompts = check_recipe_files(recipe, import_functions=True)
     check_trackers(recipe.logging)  # e.g. wandb asked for but not installed
     return prompts, eval_prompts

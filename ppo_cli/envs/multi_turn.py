@@ -1,0 +1,284 @@
+"""MultiTurnSampler: the Sampler the engine calls, running episodes of several turns over a batch.
+
+Per turn: the inner sampler samples every running episode's next turn from its whole sequence so far
+(left-padded; at most the largest remaining budget, each episode's turn then cut to its own), every
+episode that sampled is stepped in its environment, ``max_concurrency`` at once on one event loop kept
+for the whole batch (so an environment's connections and state live across its turns), and the
+environment's delta (episode.py) is appended. The result is a ``Sampled`` whose Generation's response
+is every token after the prompt: ``response_mask`` on all of them (attended), ``action_mask`` on the
+policy's sampled tokens only (trained), holes where the environment spoke; ``finished`` per episode (its
+last turn ended with the stop token). Beside it, ``episodes``: one EpisodeRecord per row.
+
+An episode whose reset gave messages starts from a longer prompt: those messages are rendered into its
+prompt (nothing is sampled yet, so nothing sampled is re-tokenized); ``generation.prompt_ids`` is then
+not the ``prompt_ids`` passed in, and the caller reads it from the result. An episode whose reset
+failed still samples its first turn (every row has a response) and ends failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ppo_cli.engine.rewards.remote import gather_bounded
+from ppo_cli.envs.environments import EnvironmentFactory, StepFailure
+from ppo_cli.envs.episode import (
+    Episode,
+    TemplateRewrites,
+    assistant_message,
+    check_template_round_trip,
+    cut_observation,
+    encode,
+    observation_ids,
+    render,
+    sample_conversations,
+)
+from ppo_cli.envs.tool_calls import parse_tool_calls, resolve_tool_call_format
+from ppo_cli.envs.tools import tool_schemas
+from ppo_cli.errors import EnvironmentFailed
+from ppo_cli.recipe import EnvironmentConfig
+from ppo_cli.types import Generation
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EpisodeStart:
+    """What an episode starts from besides its prompt ids: the prompt's row (its columns), the reset seed
+    (the same for every episode of one prompt's group: group_reset_seeds) and the prompt's messages."""
+
+    row: dict
+    seed: int
+    prompt_messages: list[Message]
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    messages: list[Message]  # the transcript after the prompt: reset's messages, assistant turns, the environment's
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    observation_tokens: int  # the environment's tokens the policy read (reset's in the prompt included)
+    step_reward: float | None  # sum of the steps' rewards; None: no step gave one
+    ended_by: str  # done | max_turns | max_episode_tokens | failed
+    failed: bool
+    failure: str | None  # one line, when failed
+    last_response: str  # the last assistant message's text: what reward.components score
+
+
+@dataclass(frozen=True)
+class MultiTurnSampled:
+    """engine/sampler.py's Sampled (its four fields, same meaning) plus the episodes' records."""
+
+    generation: Generation
+    logprobs: torch.Tensor | None  # (B, T) sampled tokens' log-probs, 0 outside action_mask
+    hidden: torch.Tensor | None  # (B, T, H) the turns' hidden states at the policy's tokens, 0 elsewhere
+    policy_logprobs: bool
+    episodes: list[EpisodeRecord]
+
+
+def group_reset_seeds(seed: int, num_prompts: int, num_generations: int) -> list[int]:
+    """One reset seed per episode, the same within a prompt's group of ``num_generations``: (P * G,)."""
+    return [seed + p for p in range(num_prompts) for _ in range(num_generations)]
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and bool mask, each row right-aligned."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row)
+            mask[i, width - len(row):] = True
+    return ids.to(device), mask.to(device)
+
+
+class MultiTurnSampler:
+    def __init__(self, inner, factory: EnvironmentFactory, tokenizer, environment: EnvironmentConfig,
+                 stop_token_id: int, pad_token_id: int):
+        self.inner = inner
+        self.factory = factory
+        self.tokenizer = tokenizer
+        self.environment = environment
+        self.stop_token_id = stop_token_id
+        self.pad_token_id = pad_token_id
+        self.stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False)
+        self.tools = tool_schemas(factory.tools) or None  # what the template shows (type tools)
+        # Refused here, before any episode runs: a tool format not read, a template that rewrites history.
+        self.tool_call_format = (resolve_tool_call_format(tokenizer, environment.tool_call_format)
+                                 if environment.type == "tools" else environment.tool_call_format)
+        check_template_round_trip(tokenizer, sample_conversations(factory.observation_role), stop_token_id, self.tools)
+
+    def sample(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, starts: list[EpisodeStart],
+               with_logprobs: bool = False, keep_hidden: bool = False, on_finished=None,
+               max_new_tokens: int | None = None) -> MultiTurnSampled:
+        """``starts``: one per row of ``prompt_ids`` (B, P). ``max_new_tokens``, if given, lowers the episode
+        budget (max_episode_tokens). ``on_finished(rows, [ids])`` is told of each episode as it ends, with its
+        last turn's ids (what the rewards score). Raises EnvironmentFailed with on_failure: error."""
+        assert len(starts) == prompt_ids.shape[0]
+        budget = min(self.environment.max_episode_tokens, max_new_tokens or self.environment.max_episode_tokens)
+        episodes = [Episode(row_ids[row_mask].tolist(), list(start.prompt_messages), budget)
+                    for row_ids, row_mask, start in zip(prompt_ids, prompt_mask, starts)]
+        loop = asyncio.new_event_loop()
+        environments: list = [None] * len(episodes)
+        last: dict[int, list[int]] = {}
+        policy_logprobs = True
+        try:
+            loop.run_until_complete(self._reset(episodes, starts, environments))
+            for turn in range(self.environment.max_turns):
+                rows = [i for i, e in enumerate(episodes) if e.ended_by is None]
+                if not rows:
+                    break
+                sequences, mask = left_pad([episodes[i].sequence for i in rows], self.pad_token_id, prompt_ids.device)
+                sampled = self.inner.sample(policy, sequences, mask, with_logprobs=with_logprobs, keep_hidden=keep_hidden,
+                                            max_new_tokens=max(episodes[i].remaining for i in rows))
+                policy_logprobs = sampled.policy_logprobs
+                for k, i in enumerate(rows):
+                    last[i] = self._add_turn(episodes[i], sampled, k)
+                loop.run_until_complete(self._step(episodes, rows, environments, last, final=turn + 1 == self.environment.max_turns))
+                ended = [i for i in rows if episodes[i].ended_by is not None]
+                if on_finished is not None and ended:
+                    on_finished(ended, [last[i] for i in ended])
+        finally:
+            try:
+                loop.run_until_complete(self._close(environments))
+            finally:
+                loop.close()
+        return self._assemble(episodes, prompt_ids.device, with_logprobs, keep_hidden, policy_logprobs)
+
+    # --- one turn ---------------------------------------------------------------------------------
+
+    def _add_turn(self, episode: Episode, sampled, k: int) -> list[int]:
+        """Row ``k`` of the inner sampler's turn into ``episode``, cut to its remaining budget."""
+        generation = sampled.generation
+        keep = generation.response_mask[k]
+        ids = generation.response_ids[k][keep].tolist()[: episode.remaining]
+        stopped = bool(ids) and ids[-1] == self.stop_token_id
+        logprobs = sampled.logprobs[k][keep][: len(ids)].tolist() if sampled.logprobs is not None else None
+        hidden = sampled.hidden[k][keep][: len(ids)] if sampled.hidden is not None else None
+        episode.add_turn(ids, stopped, logprobs, hidden)
+        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        calls = [c.as_message_call() for c in parse_tool_calls(text) if c.error is None]
+        episode.messages.append({**assistant_message(text), **({"tool_calls": calls} if calls else {})})
+        if not stopped:
+            episode.end("max_episode_tokens")
+        return ids
+
+    async def _reset(self, episodes: list[Episode], starts: list[EpisodeStart], environments: list) -> None:
+        async def reset(i: int) -> None:
+            episode = episodes[i]
+            try:
+                environments[i] = self.factory()
+                observation = await environments[i].reset(starts[i].row, starts[i].seed)
+            except StepFailure as err:
+                self._failed(episode, str(err))
+                return
+            if observation:
+                observation = cut_observation(self.tokenizer, observation, self.environment.max_observation_tokens)
+                grown = encode(self.tokenizer, render(self.tokenizer, episode.prompt_messages + observation, self.tools, True))
+                episode.observation_tokens += max(0, len(grown) - len(episode.prompt_ids))
+                episode.prompt_ids = grown
+                episode.messages += observation
+
+        await self._bounded([lambda i=i: reset(i) for i in range(len(episodes))])
+
+    async def _step(self, episodes: list[Episode], rows: list[int], environments: list, last: dict, final: bool) -> None:
+        async def step(i: int) -> None:
+            episode = episodes[i]
+            if episode.failure is not None:  # its reset failed: it sampled one turn so that its row has one
+                episode.end("failed", episode.failure)
+                return
+            if episode.ended_by is not None:
+                return
+            try:
+                result = await environments[i].step(dict(episode.messages[-1]))
+            except StepFailure as err:
+                self._failed(episode, str(err))
+                episode.end("failed", str(err))
+                return
+            episode.tool_calls += result.tool_calls
+            episode.tool_errors += result.tool_errors
+            episode.add_reward(result.reward)
+            observation = cut_observation(self.tokenizer, result.observation, self.environment.max_observation_tokens)
+            history = [*episode.prompt_messages, *(assistant_message(m["content"]) if m["role"] == "assistant" else m
+                                                   for m in episode.messages)]
+            episode.messages += observation
+            if result.done:
+                episode.end("done")
+                return
+            if final:
+                episode.end("max_turns")
+                return
+            try:
+                ids = observation_ids(self.tokenizer, history, observation, self.stop_text, self.tools)
+            except TemplateRewrites as err:
+                self._failed(episode, f"the chat template rewrote earlier turns: {err}")
+                episode.end("failed", episode.failure)
+                return
+            if len(ids) >= episode.remaining:  # no room for one more sampled token
+                episode.end("max_episode_tokens")
+                return
+            episode.add_observation(ids)
+
+        await self._bounded([lambda i=i: step(i) for i in rows])
+
+    def _failed(self, episode: Episode, why: str) -> None:
+        episode.failure = why
+        if self.environment.on_failure == "error":
+            raise EnvironmentFailed(f"environment failed: {why}",
+                                    hint="with environment.on_failure: skip such episodes leave the update instead")
+
+    async def _bounded(self, jobs: list) -> None:
+        for result in await gather_bounded(jobs, self.environment.max_concurrency):
+            if isinstance(result, BaseException):  # EnvironmentFailed (on_failure: error) or a bug: not swallowed
+                raise result
+
+    async def _close(self, environments: list) -> None:
+        async def close(env) -> None:
+            try:
+                await env.close()
+            except StepFailure:
+                pass  # the episode is over; a failed goodbye changes nothing in it
+
+        await gather_bounded([lambda e=e: close(e) for e in environments if e is not None], self.environment.max_concurrency)
+        await self.factory.aclose()
+
+    # --- the batch ----------------------------------------------------------------------------------
+
+    def _assemble(self, episodes: list[Episode], device, with_logprobs: bool, keep_hidden: bool,
+                  policy_logprobs: bool) -> MultiTurnSampled:
+        B, T = len(episodes), max(1, max(len(e.token_ids) for e in episodes))
+        prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], self.pad_token_id, device)
+        response_ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((B, T), dtype=torch.bool)
+        action_mask = torch.zeros((B, T), dtype=torch.bool)
+        logprobs = torch.zeros((B, T)) if with_logprobs else None
+        hidden = None
+        for b, e in enumerate(episodes):
+            n = len(e.token_ids)
+            response_ids[b, :n] = torch.tensor(e.token_ids, dtype=torch.long)
+            response_mask[b, :n] = True
+            action_mask[b, :n] = torch.tensor(e.action, dtype=torch.bool)
+            if logprobs is not None:
+                logprobs[b, :n] = torch.tensor(e.logprobs)
+            for start, states in e.hidden if keep_hidden else ():
+                if hidden is None:
+                    hidden = torch.zeros((B, T, states.shape[-1]), dtype=states.dtype, device=states.device)
+                hidden[b, start:start + states.shape[0]] = states
+        finished = torch.tensor([e.finished for e in episodes], dtype=torch.bool)
+        generation = Generation(prompt_ids, prompt_mask, response_ids.to(device), response_mask.to(device),
+                                finished.to(device), action_mask.to(device))
+        records = [EpisodeRecord(e.messages, e.turns, e.tool_calls, e.tool_errors, e.observation_tokens, e.step_reward,
+                                 e.ended_by, e.ended_by == "failed", e.failure, _last_response(e.messages))
+                   for e in episodes]
+        return MultiTurnSampled(generation, logprobs.to(device) if logprobs is not None else None, hidden,
+                                policy_logprobs, records)
+
+
+def _last_response(messages: list[Message]) -> str:
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+

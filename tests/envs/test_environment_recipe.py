@@ -1,0 +1,68 @@
+"""The recipe's environment section: absent is one turn; each bad section is one located line."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppo_cli.recipe_loading import dump_resolved, load_recipe
+from tests.recipe.test_recipe import BASE, error, write
+
+GUESS = "environment:\n  type: python\n  class: recipes/envs/guess.py:GuessNumber\n  kwargs: {low: 1, high: 5}\n"
+
+
+def test_no_environment_section_is_one_turn(tmp_path):
+    assert load_recipe(write(tmp_path, BASE)).environment is None
+
+
+def test_a_python_environment_reads_class_and_dumps_it_back_as_class(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE + GUESS))
+    environment = recipe.environment
+    assert (environment.type, environment.class_, environment.kwargs) == ("python", "recipes/envs/guess.py:GuessNumber",
+                                                                          {"low": 1, "high": 5})
+    assert (environment.max_turns, environment.max_episode_tokens, environment.on_failure) == (4, 256, "skip")
+    dumped = dump_resolved(recipe)
+    assert "  class: recipes/envs/guess.py:GuessNumber\n" in dumped and "class_" not in dumped
+    assert load_recipe(write(tmp_path, dumped, "resolved.yaml")) == recipe
+
+
+@pytest.mark.parametrize("section, message, hint", [
+    ("  type: tools\n", "18: environment.tools: needed by type 'tools'", "e.g. tools: [recipes/tools/calculator.py:calculate]"),
+    ("  type: python\n", "18: environment.class: needed by type 'python'", "e.g. class: recipes/envs/guess.py:GuessNumber"),
+    ("  type: http\n", "18: environment.url: needed by type 'http'", "e.g. url: http://127.0.0.1:8080"),
+    ("  type: python\n  class: g.py:G\n  tools: [a.py:f]\n", "21: environment.tools: only used with type 'tools', but the "
+     "type is 'python'", "remove environment.tools, or set environment.type: tools"),
+    ("  type: tools\n  tools: [a.py:f]\n  url: http://127.0.0.1:1\n", "21: environment.url: only used with type 'http', "
+     "but the type is 'tools'", "remove environment.url, or set environment.type: http"),
+    ("  type: http\n  url: ftp://x\n", "20: environment.url: 'ftp://x' is not an http(s) URL",
+     "write it as http://HOST:PORT or https://..."),
+    ("  type: http\n  url: http://127.0.0.1:8080\n  headers: {Authorization: Bearer abc}\n",
+     "21: environment.headers: header 'Authorization' holds a literal credential",
+     "put it in an environment variable and write e.g. 'Bearer ${ENV_TOKEN}'"),
+    ("  type: http\n  url: http://10.0.0.2:8080\n  headers: {Authorization: 'Bearer ${T}'}\n",
+     "20: environment.url: would send credentials over plain http to 10.0.0.2", "use https"),
+    ("  type: tools\n  tools: [calculate]\n", "20: environment.tools.0: invalid value 'calculate'", None),
+])
+def test_bad_environment_sections_are_one_located_line(tmp_path, section, message, hint):
+    path = write(tmp_path, BASE + "environment:\n" + section)
+    err = error(path)
+    assert err.message == f"{path}:{message}"
+    if hint is not None:
+        assert err.hint == hint
+
+
+def test_an_unknown_environment_key_is_refused(tmp_path):
+    err = error(write(tmp_path, BASE + GUESS + "  class_: x.py:Y\n"))
+    assert "environment.class_" in err.message
+
+
+def test_commands_refuse_an_environment_until_it_is_wired(tmp_path):
+    """Not silently one turn: ppo train (and the inference commands, through the same check) stop in one line."""
+    from typer.testing import CliRunner
+
+    from ppo_cli.cli import app
+
+    result = CliRunner().invoke(app, ["train", str(write(tmp_path, BASE + GUESS))])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[0] == (
+        "error: environment: episodes with several turns are not wired into the commands yet")
+    assert "Traceback" not in result.output
