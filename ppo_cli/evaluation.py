@@ -71,8 +71,10 @@ def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], setting
         torch.manual_seed(settings.seed)
         for start in range(0, len(episodes), settings.batch_size):
             batch = episodes[start : start + settings.batch_size]
-            generation = engine.generate([p for _, _, p in batch])
-            responses = engine.decode_responses(generation)
+            sampled = engine.sample([p for _, _, p in batch])
+            generation, records = sampled.generation, getattr(sampled, "episodes", None)
+            responses = (engine.decode_responses(generation) if records is None
+                         else [e.last_response for e in records])
             kl = sequence_kl(engine, generation).tolist() if with_kl else None
             prompt_tokens = generation.prompt_mask.sum(dim=1).tolist()
             response_tokens = generation.response_lengths.tolist()
@@ -82,18 +84,29 @@ def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], setting
                        "prompt_index": index, "sample": sample, **common}
                 if kl is not None:
                     row["kl"] = float(kl[j])
+                if records is not None:
+                    row.update(episode_fields(records[j]))
                 rows.append(row)
             if progress is not None:
                 progress(len(batch))
     return rows
 
 
+def episode_fields(episode) -> dict:
+    """What a row records of an episode of several turns (envs.multi_turn.EpisodeRecord): its transcript
+    after the prompt, turns, tool calls and errors, how it ended, its steps' reward and whether its
+    environment failed (then it has no reward)."""
+    return {"messages": episode.messages, "turns": episode.turns, "tool_calls": episode.tool_calls,
+            "tool_errors": episode.tool_errors, "ended_by": episode.ended_by, "step_reward": episode.step_reward,
+            "env_failed": episode.failed, "env_failure": episode.failure}
+
+
 def sequence_kl(engine, generation):
-    """(B,) KL to the reference per response: sum_t k1_t over the response mask."""
+    """(B,) KL to the reference per response: sum_t k1_t over the policy's tokens (action mask)."""
     from ppo_cli.algo.kl import kl_penalty
 
     logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
-    kl = kl_penalty(logprobs, ref_logprobs, "k1").masked_fill(~generation.response_mask, 0.0)  # (B, T)
+    kl = kl_penalty(logprobs, ref_logprobs, "k1").masked_fill(~generation.action_mask, 0.0)  # (B, T)
     return kl.sum(dim=1)
 
 
@@ -108,11 +121,17 @@ def score_rows(reward, rows: list[dict], failures: list[str] | None = None) -> l
 
     if not rows:
         return []
+    prompts = [r["prompt"] for r in rows]
+    columns = None
+    if "messages" in rows[0]:  # episodes of several turns: the reward functions may read the transcripts
+        reads = any(getattr(scorer, "reads_columns", False) for _, _, scorer in reward.scorers)
+        columns = {**(reward.columns_for(prompts) if reads else {}), "messages": [r.get("messages") for r in rows]}
     result = reward.score(
-        [r["prompt"] for r in rows],
+        prompts,
         [r["response"] for r in rows],
         [bool(r.get("finished", True)) for r in rows],
         [int(r.get("response_tokens", 0)) for r in rows],
+        columns=columns,
     )
     if failures is not None:
         failures.extend(str(f) for f in result.failures.values() if f)
@@ -120,10 +139,18 @@ def score_rows(reward, rows: list[dict], failures: list[str] | None = None) -> l
         raise RewardServerError(f"no row got a reward: {next(iter(result.failures.values()))}",
                                 hint="check that the reward server or judge answers, then run again")
     return [
-        {**row, "reward": _number(total),
+        {**row, "reward": _episode_total(row, _number(total)),
          "reward_components": {name: _number(values[i]) for name, values in result.components.items()}}
         for i, (row, total) in enumerate(zip(rows, result.scores))
     ]
+
+
+def _episode_total(row: dict, total: float | None) -> float | None:
+    """An episode's reward, as training counts it: the components' total plus its steps' rewards; none
+    when its environment failed. A row of one turn: the total."""
+    if row.get("env_failed") or total is None:
+        return None if row.get("env_failed") else total
+    return total + (row.get("step_reward") or 0.0)
 
 
 def _number(value) -> float | None:
@@ -152,7 +179,22 @@ def summarize_rows(rows: list[dict]) -> dict:
         "kl": mean([r["kl"] for r in rows]) if rows and "kl" in rows[0] else None,
         "distinct_1": distinct_n([r["response"] for r in rows], 1),
         "distinct_2": distinct_n([r["response"] for r in rows], 2),
+        **(_episode_summary(rows) if rows and "turns" in rows[0] else {}),
     }
+
+
+def _episode_summary(rows: list[dict]) -> dict:
+    """Episodes of several turns: mean turns and tool calls, the share that called a tool, ended each way
+    and whose environment failed."""
+    from ppo_cli.engine.envs.episode import ENDED_BY
+    from ppo_cli.stats import mean
+
+    return {"turns": mean([float(r["turns"]) for r in rows]),
+            "tool_calls": mean([float(r["tool_calls"]) for r in rows]),
+            "tool_call_rate": mean([1.0 if r["tool_calls"] else 0.0 for r in rows]),
+            "env_failed_rate": mean([1.0 if r["env_failed"] else 0.0 for r in rows]),
+            "ended_by": {reason: mean([1.0 if r["ended_by"] == reason else 0.0 for r in rows])
+                         for reason in ENDED_BY}}
 
 
 def share_of(items: list, rank: int, world_size: int) -> list:

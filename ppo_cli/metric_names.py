@@ -69,6 +69,23 @@ VAL_RATIO_FIRST_MINIBATCH = "val/ratio_first_minibatch"
 PPO_EPOCHS_RUN = "ppo/epochs_run"
 PPO_SKIPPED_STEPS = "ppo/skipped_steps"
 
+# --- episodes of several turns (the environment section) --------------------------------------------
+
+ENV_TURNS = "env/turns"  # assistant turns per episode
+ENV_TOOL_CALLS = "env/tool_calls"  # tool calls per episode (type tools)
+ENV_TOOL_ERRORS = "env/tool_errors"  # calls answered with an error: raised, timed out, unknown, malformed
+ENV_FAILED_RATE = "env/failed_rate"  # episodes whose environment failed (they left the update)
+ENV_OBSERVATION_TOKENS = "env/observation_tokens"  # the environment's tokens per episode
+
+
+def env_ended_by(reason: str) -> str:
+    """The fraction of episodes that ended by ``reason``: done, max_turns, max_episode_tokens or max_new_tokens."""
+    return f"env/ended_by/{reason}"
+
+
+ENV_ENDED_BY_MAX_EPISODE_TOKENS = env_ended_by("max_episode_tokens")  # the health rule's
+
+
 # --- time, speed and memory ------------------------------------------------------------------------
 
 TIME_ROLLOUT_S = "time/rollout_s"

@@ -35,14 +35,14 @@ from typing import Callable, Mapping, Optional, Sequence
 from ppo_cli.metric_names import (
     EOS_RATE, FRAC_REWARD_ZERO_STD, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_SCORES, POLICY_APPROXKL_AVG,
     POLICY_CLIPFRAC_AVG, POLICY_ENTROPY_AVG, REWARD_FAILED_RATE, RESPONSE_LENGTH, SAMPLES_DISTINCT_1,
-    VAL_RATIO_FIRST_MINIBATCH,
+    VAL_RATIO_FIRST_MINIBATCH, ENV_ENDED_BY_MAX_EPISODE_TOKENS,
 )
 from ppo_cli.recipe import MonitorConfig
 
 # The metrics the rules read.
 WATCHED = (POLICY_CLIPFRAC_AVG, POLICY_APPROXKL_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, LOSS_VALUE_AVG, POLICY_ENTROPY_AVG,
            OBJECTIVE_SCORES, SAMPLES_DISTINCT_1, EOS_RATE, VAL_RATIO_FIRST_MINIBATCH, RESPONSE_LENGTH,
-           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE)
+           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE, ENV_ENDED_BY_MAX_EPISODE_TOKENS)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -358,6 +358,23 @@ def _reward_failures(h: History, c: MonitorConfig):
     value = h.latest(REWARD_FAILED_RATE)
     if value is not None and value > c.reward_failed_high:
         return value, f"{value:.0%} of the completions got no reward at the last update (above {c.reward_failed_high:g})"
+    return None
+
+
+@rule(
+    "episodes_cut_by_budget",
+    cause="most episodes of several turns ran out of environment.max_episode_tokens before they were done: the "
+    "policy never sees how they end, and the rewards score a last message cut short",
+    fix="raise environment.max_episode_tokens, lower environment.max_observation_tokens (long tool answers are cut "
+    "in the middle), or lower environment.max_turns so that episodes end by max_turns",
+)
+def _episodes_cut_by_budget(h: History, c: MonitorConfig):
+    values = h.window_of(ENV_ENDED_BY_MAX_EPISODE_TOKENS)
+    if values is not None and mean(values) > c.episode_budget_high:
+        return mean(values), (
+            f"{mean(values):.0%} of the episodes ended by environment.max_episode_tokens over the last {len(values)} "
+            f"updates (above {c.episode_budget_high:g})"
+        )
     return None
 
 

@@ -562,6 +562,10 @@ class MonitorConfig(Section):
         0.0, ge=0.0, lt=1.0, description="Warn when more than this fraction of an update's completions got no reward "
         "(reward/failed_rate: a server, judge or function failed for them; they left the update).",
     )
+    episode_budget_high: float = Field(
+        0.5, ge=0.0, lt=1.0, description="Episodes of several turns: warn when more than this fraction of them ends "
+        "by environment.max_episode_tokens (env/ended_by/max_episode_tokens) over a whole window.",
+    )
 
     @model_validator(mode="after")
     def _clipfrac_band(self) -> "MonitorConfig":
@@ -604,7 +608,7 @@ class LoggingConfig(Section):
 
 
 class EnvironmentConfig(Section):
-    """Episodes with several turns: what the policy talks to between its turns (ppo_cli/envs/)."""
+    """Episodes with several turns: what the policy talks to between its turns (ppo_cli/engine/envs/)."""
 
     # `class` is a Python keyword: the field is class_, written `class` in the recipe and in its dump.
     model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)

@@ -33,6 +33,7 @@ from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.logprobs import selective_log_softmax
+from ppo_cli.engine.envs.metrics import episode_metrics
 from ppo_cli.engine.engine import Engine
 from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
@@ -92,6 +93,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
+    if rollout.episodes is not None:  # episodes of several turns (one process: check_environment)
+        metrics.update(episode_metrics(rollout.episodes))
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
     metrics[names.SKIPPED] = int(skip_reason is not None)

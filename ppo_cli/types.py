@@ -36,8 +36,8 @@ class Generation(NamedTuple):
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
     @property
-    def response_lengths(self) -> torch.Tensor:  # (B,)
-        return self.response_mask.sum(dim=1)
+    def response_lengths(self) -> torch.Tensor:  # (B,) the policy's tokens (the environment's not counted)
+        return self.action_mask.sum(dim=1)
 
 
 class DeferredOldLogprobs:
@@ -85,6 +85,7 @@ class Rollout(NamedTuple):
     sampler_logprobs: torch.Tensor | None = None  # (B, T) a separate sampler's (vLLM) log-probs of the tokens, 0 outside
     scored: torch.Tensor | None = None  # (B,) bool, True where every reward component scored the episode (None: all)
     reward_failures: dict[str, str] | None = None  # component name -> its latest failure this rollout, one line
+    episodes: list | None = None  # (B,) envs.multi_turn.EpisodeRecord: the episodes of several turns (None: one turn)
 
     @property
     def train_mask(self) -> torch.Tensor:  # (B, T)

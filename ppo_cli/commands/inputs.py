@@ -80,10 +80,16 @@ def check_environment(recipe, world_size: int = 1) -> None:
         return
     from ppo_cli.errors import RecipeError
 
-    raise RecipeError(
-        "environment: episodes with several turns are not wired into the commands yet",
-        hint="remove the environment section; its pieces are in ppo_cli/envs/ (docs/multi_turn.md)",
-    )
+    if world_size > 1:
+        raise RecipeError(
+            f"environment: episodes of several turns run in one process, not {world_size}",
+            hint="train with one process (no --num-processes); several are not supported with an environment yet",
+        )
+    if recipe.generation.backend != "hf":
+        raise RecipeError(
+            f"environment: episodes of several turns sample with generation.backend hf, not {recipe.generation.backend}",
+            hint="set generation.backend: hf (vLLM turns are not supported with an environment yet)",
+        )
 
 
 def command_prompts(path, field, recipe, note: Callable[[str], None]):

@@ -115,6 +115,9 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
             STEP: step, "prompt": rollout.prompts[i], "response": rollout.responses[i],
             "score": float(rollout.scores[i]) if rollout.scored is None or rollout.scored[i] else None,
             "finished": bool(rollout.generation.finished[i]),
+            # an episode of several turns: its transcript and how it went (response is its last message)
+            **({"messages": rollout.episodes[i].messages, "turns": rollout.episodes[i].turns,
+                "ended_by": rollout.episodes[i].ended_by} if rollout.episodes is not None else {}),
         })
 
 

@@ -88,8 +88,10 @@ class Engine:
     def sample(self, prompts: list, **options) -> Sampled:
         """The prompts tokenized (chat template, left padding) and handed to the sampler with the
         policy adapter active; ``options``: Sampler.sample's keywords (global torch RNG: seed it first)."""
-        prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, self.recipe.data, self.device)
         self.actor_critic.use_adapter(POLICY_ADAPTER)
+        if getattr(self.sampler, "reads_prompts", False):  # episodes of several turns: their own prompts and rows
+            return self.sampler.sample(self.actor_critic.policy, None, None, prompts=prompts, device=self.device, **options)
+        prompt_ids, prompt_mask = tokenize_prompts(prompts, self.tokenizer, self.recipe.data, self.device)
         return self.sampler.sample(self.actor_critic.policy, prompt_ids, prompt_mask, **options)
 
     def generate(self, prompts: list[str]) -> Generation:
@@ -119,7 +121,7 @@ class Engine:
         """The frozen critic's features and, for the rows whose tokens the reward model reads as the
         policy's, its scores, from one forward of the reward model (engine/rewards/shared.py); None
         where no reward model is the critic or no row's tokens match (then the two forwards run)."""
-        if self.shared_reward is None or not self.options.shared_reward_forward:
+        if self.shared_reward is None or not self.options.shared_reward_forward or self.recipe.environment is not None:
             return None
         positions = self.shared_reward.score_positions(prompts, responses, generation)
         if (positions < 0).all():
@@ -208,6 +210,8 @@ class Engine:
         """
         if self.recipe.ppo.rollout_logprobs != "generation" or self.mixed_precision != "no":
             return False
+        if self.recipe.environment is not None:  # each turn's own KV cache: the whole episode's forward is the one trained
+            return False
         if is_quantized(self.actor_critic.policy):
             return False
         head = unwrap_causal_lm(self.actor_critic.policy).get_output_embeddings()
@@ -260,9 +264,9 @@ class Engine:
                                   keep_hidden=from_generation and self.actor_critic.value_reads_policy_hidden,
                                   on_finished=stream.finished if stream is not None else None)
             self.generation_seconds = time.perf_counter() - started  # the last rollout's (perf/decode_gbps)
-            generation = sampled.generation
-            responses = self.decode_responses(generation)
-            pending = self.reward.start(prompts, responses, stream=stream)
+            generation, episodes = sampled.generation, getattr(sampled, "episodes", None)
+            responses = self.decode_responses(generation) if episodes is None else [e.last_response for e in episodes]
+            pending = self.reward.start(prompts, responses, self.episode_columns(prompts, episodes), stream=stream)
             shared = self.shared_reward_forward(prompts, responses, generation)
             logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
                 generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None,
@@ -276,12 +280,22 @@ class Engine:
             raise
         result = self.score(prompts, responses, generation, shared, pending)
         scores, scored, failures = self._score_tensors(result)
+        if episodes is not None:
+            scores, scored, failures = with_episode_outcomes(scores, scored, failures, episodes)
         if not old_logprobs:
             logprobs = DeferredOldLogprobs(ref_logprobs)
         # compared with the old log-probs, never used as them
         sampler_logprobs = sampled.logprobs if not sampled.policy_logprobs else None
         return Rollout(generation, prompts, responses, logprobs, ref_logprobs, values, scores, result.components,
-                       fixed_features, sampler_logprobs, scored, failures)
+                       fixed_features, sampler_logprobs, scored, failures, episodes)
+
+    def episode_columns(self, prompts: list, episodes) -> dict[str, list] | None:
+        """The columns the reward functions get: with episodes of several turns, ``messages`` (each episode's
+        transcript after its prompt) beside the rows' own; else None (looked up as a component needs them)."""
+        if episodes is None:
+            return None
+        reads = any(getattr(scorer, "reads_columns", False) for _, _, scorer in self.reward.scorers)
+        return {**(self.reward.columns_for(prompts) if reads else {}), "messages": [e.messages for e in episodes]}
 
     def _score_tensors(self, result: ScoreResult):
         """The rollout's scores (B,) (0 where not scored) and, where a component may leave an episode
@@ -293,16 +307,41 @@ class Engine:
         return scores, scored, {name: result.failures.get(name, "") for name in self.reward.failable}
 
 
+def with_episode_outcomes(scores: torch.Tensor, scored: torch.Tensor | None, failures: dict | None, episodes):
+    """Episodes of several turns: each score (B,) plus the sum of its steps' rewards; an episode whose
+    environment failed has no reward (it leaves the update, counted as reward/failed_rate and
+    env/failed_rate), its failure kept under ``environment``."""
+    device = scores.device
+    step = torch.tensor([e.step_reward or 0.0 for e in episodes], dtype=scores.dtype, device=device)
+    ok = torch.tensor([not e.failed for e in episodes], dtype=torch.bool, device=device)
+    failures = dict(failures or {})
+    failures["environment"] = next((e.failure for e in reversed(episodes) if e.failed and e.failure), "")
+    return scores + step, ok if scored is None else scored & ok, failures
+
+
 def make_sampler(recipe: Recipe, device: torch.device, policy: torch.nn.Module, stop_token_id: int, pad_token_id: int,
-                 mixed_precision: str, model=None) -> Sampler:
-    """The sampler generation.backend names, built once at load. ``model``: the ResolvedModel the
-    inference commands sample (vLLM loads its weights / adapter), None when training."""
+                 mixed_precision: str, model=None, tokenizer=None, columns_for=None) -> Sampler:
+    """The sampler generation.backend names, built once at load, and with an environment section the
+    multi-turn sampler around it (``tokenizer`` then needed; ``columns_for``: the prompts' rows, which an
+    environment's reset reads). ``model``: the ResolvedModel the inference commands sample (vLLM loads
+    its weights / adapter), None when training."""
     if recipe.generation.backend == "vllm":
         from ppo_cli.engine.vllm_sampler import VllmSampler
 
-        return VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision,
-                           stop_token_id=stop_token_id, pad_token_id=pad_token_id)
-    return TransformersSampler(recipe.generation, stop_token_id, pad_token_id, mixed_precision, device)
+        sampler = VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision,
+                              stop_token_id=stop_token_id, pad_token_id=pad_token_id)
+    else:
+        sampler = TransformersSampler(recipe.generation, stop_token_id, pad_token_id, mixed_precision, device)
+    if recipe.environment is None:
+        return sampler
+    from ppo_cli.engine.envs.environments import EnvironmentFactory
+    from ppo_cli.engine.envs.multi_turn import MultiTurnSampler
+
+    env = recipe.environment
+    return MultiTurnSampler(sampler, EnvironmentFactory(env), tokenizer, env, stop_token_id, pad_token_id,
+                            columns_for=columns_for if env.type != "tools" else None,  # tools read no row
+                            system_prompt=recipe.data.system_prompt, max_prompt_tokens=recipe.data.max_prompt_tokens,
+                            max_turn_tokens=recipe.generation.max_new_tokens)
 
 
 def quiet_libraries() -> None:
@@ -344,7 +383,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
         for model in [actor_critic.policy, actor_critic.ref_model, *reward_models.values()]:
             if model is not None and is_quantized(model):
                 own_unquantized_tensors(model)
-    sampler = make_sampler(recipe, device, actor_critic.policy, stop_token_id, tokenizer.pad_token_id, mixed_precision)
+    sampler = make_sampler(recipe, device, actor_critic.policy, stop_token_id, tokenizer.pad_token_id, mixed_precision,
+                           tokenizer=tokenizer, columns_for=reward.columns_for)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision,
                   shared_reward=SharedRewardModel.find(reward, actor_critic), options=options)
 

@@ -122,7 +122,8 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     mixed_precision = recipe_mixed_precision(recipe, device)
     check_mixed_precision(mixed_precision, device)
     # sampled as `ppo train` samples with this recipe (vLLM: on the model's weights / saved adapter)
-    sampler = make_sampler(recipe, device, policy, stop_token_id, tokenizer.pad_token_id, mixed_precision, model=model)
+    sampler = make_sampler(recipe, device, policy, stop_token_id, tokenizer.pad_token_id, mixed_precision, model=model,
+                           tokenizer=tokenizer, columns_for=reward.columns_for if reward is not None else None)
     return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, sampler=sampler, mixed_precision=mixed_precision)
 
 

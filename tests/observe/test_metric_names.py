@@ -17,7 +17,8 @@ from ppo_cli.metric_names import memory_peak_gb, reward_component, reward_compon
 PACKAGE = Path(ppo_cli.__file__).parent
 # The modules that write metrics.jsonl's lines or read them.
 METRIC_MODULES = ("trainer.py", "train_metrics.py", "train_checks.py", "monitor.py", "report.py", "plots.py",
-                  "observe.py", "model_card.py", "tracking.py", "resume.py", "evaluation.py", "commands/train.py")
+                  "observe.py", "model_card.py", "tracking.py", "resume.py", "evaluation.py", "commands/train.py",
+                  "engine/envs/metrics.py")
 # "objective/kl", "memory/", "reward/failed_rate/": lower-case words joined by '/' (no spaces: not prose)
 METRIC_SHAPE = re.compile(r"[a-z][a-z0-9_]+/[a-z0-9_/]*")  # "n/a" is not one
 

@@ -70,6 +70,7 @@ RULE_CASES = {
     "ratio_mismatch": ({"val__ratio_first_minibatch": lambda s: 0.7 + jitter(s)}, 3),
     "groups_without_signal": ({"frac_reward_zero_std": lambda s: 0.75 + jitter(s, 0.1)}, 10),
     "reward_failures": ({"reward__failed_rate": lambda s: 0.2}, 1),
+    "episodes_cut_by_budget": ({"env__ended_by__max_episode_tokens": lambda s: 0.8 + jitter(s, 0.1)}, 10),
 }
 
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_cli.engine.rewards.remote import Policy, RemoteFailure, Secrets, new_client, request_json
-from ppo_cli.envs.calls import call_bounded, import_named
-from ppo_cli.envs.tool_calls import parse_tool_calls
-from ppo_cli.envs.tools import Tool, call_tool, load_tools
+from ppo_cli.engine.envs.calls import call_bounded, import_named
+from ppo_cli.engine.envs.tool_calls import parse_tool_calls
+from ppo_cli.engine.envs.tools import Tool, call_tool, load_tools
 from ppo_cli.errors import EnvironmentSetupError
 from ppo_cli.recipe import EnvironmentConfig
 

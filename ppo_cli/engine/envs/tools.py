@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ppo_cli.envs.calls import call_bounded, import_named
+from ppo_cli.engine.envs.calls import call_bounded, import_named
 from ppo_cli.errors import EnvironmentSetupError
 
 QUOTED_ERROR = 200  # characters of a tool's exception message shown to the model

@@ -39,7 +39,7 @@ def chatml():
 
     from transformers import PreTrainedTokenizerFast
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fixtures"))
     from byte_level import train_byte_level_bpe
 
     tok = train_byte_level_bpe(CORPUS * 5, 400, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"])

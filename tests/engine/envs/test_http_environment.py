@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.envs.test_multi_turn import run
+from tests.engine.envs.test_multi_turn import run
 from tests.fixtures.reward_servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture()

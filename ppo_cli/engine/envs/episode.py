@@ -24,7 +24,8 @@ from typing import Any
 from ppo_cli.errors import EnvironmentSetupError
 
 Message = dict[str, Any]
-ENDED_BY = ("done", "max_turns", "max_episode_tokens", "failed")
+# max_new_tokens: a turn reached generation.max_new_tokens without its stop token (the message is cut: the episode ends)
+ENDED_BY = ("done", "max_turns", "max_episode_tokens", "max_new_tokens", "failed")
 REWRITES_HINT = ("give the tokenizer a chat template that renders every turn verbatim whatever follows it "
                  "(Qwen3's drops earlier <think> blocks: use one that keeps them), e.g. in chat_template.jinja")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ppo_cli.envs.episode import check_template_round_trip, cut_middle, observation_ids, sample_conversations
+from ppo_cli.engine.envs.episode import check_template_round_trip, cut_middle, observation_ids, sample_conversations
 from ppo_cli.errors import EnvironmentSetupError
-from tests.envs.conftest import DROPS_THINK
+from tests.engine.envs.conftest import DROPS_THINK
 
 
 def ids(tokenizer, text):

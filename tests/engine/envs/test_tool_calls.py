@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppo_cli.envs.tool_calls import (
+from ppo_cli.engine.envs.tool_calls import (
     ToolCall,
     describe_tools,
     parse_tool_calls,

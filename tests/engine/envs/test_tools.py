@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ppo_cli.envs.calls import import_named
-from ppo_cli.envs.tools import call_tool, load_tool, load_tools
+from ppo_cli.engine.envs.calls import import_named
+from ppo_cli.engine.envs.tools import call_tool, load_tool, load_tools
 from ppo_cli.errors import EnvironmentSetupError
 
 CALCULATOR = "recipes/tools/calculator.py:calculate"

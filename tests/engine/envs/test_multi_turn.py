@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from ppo_cli.envs.environments import EnvironmentFactory
-from ppo_cli.envs.metrics import episode_metrics
-from ppo_cli.envs.multi_turn import EpisodeStart, MultiTurnSampler, group_reset_seeds, left_pad
+from ppo_cli.engine.envs.environments import EnvironmentFactory
+from ppo_cli.engine.envs.metrics import episode_metrics
+from ppo_cli.engine.envs.multi_turn import EpisodeStart, MultiTurnSampler, group_reset_seeds, left_pad
 from ppo_cli.errors import EnvironmentFailed
 from ppo_cli.recipe import EnvironmentConfig
-from tests.envs.conftest import ScriptedSampler
+from tests.engine.envs.conftest import ScriptedSampler
 
 CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 7"}}</tool_call>'
 WRONG = '<tool_call>{"name": "calculate", "arguments": {"expr": "12 * 7"}}</tool_call>'

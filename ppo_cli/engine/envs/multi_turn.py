@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ppo_cli.engine.rewards.remote import gather_bounded
-from ppo_cli.envs.environments import EnvironmentFactory, StepFailure
-from ppo_cli.envs.episode import (
+from ppo_cli.engine.envs.environments import EnvironmentFactory, StepFailure
+from ppo_cli.engine.envs.episode import (
     Episode,
     TemplateRewrites,
     assistant_message,
@@ -36,8 +36,9 @@ from ppo_cli.envs.episode import (
     render,
     sample_conversations,
 )
-from ppo_cli.envs.tool_calls import parse_tool_calls, resolve_tool_call_format
-from ppo_cli.envs.tools import tool_schemas
+from ppo_cli.engine.chat import as_messages
+from ppo_cli.engine.envs.tool_calls import describe_tools, parse_tool_calls, resolve_tool_call_format, template_renders_tools
+from ppo_cli.engine.envs.tools import tool_schemas
 from ppo_cli.errors import EnvironmentFailed
 from ppo_cli.recipe import EnvironmentConfig
 from ppo_cli.types import Generation
@@ -63,7 +64,7 @@ class EpisodeRecord:
     tool_errors: int
     observation_tokens: int  # the environment's tokens the policy read (reset's in the prompt included)
     step_reward: float | None  # sum of the steps' rewards; None: no step gave one
-    ended_by: str  # done | max_turns | max_episode_tokens | failed
+    ended_by: str  # done | max_turns | max_episode_tokens | max_new_tokens | failed
     failed: bool
     failure: str | None  # one line, when failed
     last_response: str  # the last assistant message's text: what reward.components score
@@ -98,9 +99,23 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
 
 
 class MultiTurnSampler:
+    """The Sampler protocol over whole episodes. It reads the prompts themselves (``reads_prompts``): an
+    episode starts from the prompt's messages and row, and its prompt ids are the chat template's rendering
+    with the tools; the engine passes ``prompts`` and this sampler makes the ids and the reset seeds."""
+
+    reads_prompts = True
+    streams = False  # the rewards score an episode's last message, once the episode has ended
+
     def __init__(self, inner, factory: EnvironmentFactory, tokenizer, environment: EnvironmentConfig,
-                 stop_token_id: int, pad_token_id: int):
+                 stop_token_id: int, pad_token_id: int, columns_for=None, system_prompt: str | None = None,
+                 max_prompt_tokens: int | None = None, max_turn_tokens: int | None = None):
+        """``columns_for(prompts) -> {column: [value per prompt]}``: the rows' other columns, which reset
+        reads as ``row`` (engine/data.PromptColumns); ``system_prompt`` / ``max_prompt_tokens``: data.*."""
         self.inner = inner
+        self.columns_for = columns_for
+        self.system_prompt = system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_turn_tokens = max_turn_tokens  # generation.max_new_tokens: one turn's tokens at most
         self.factory = factory
         self.tokenizer = tokenizer
         self.environment = environment
@@ -112,13 +127,70 @@ class MultiTurnSampler:
         self.tool_call_format = (resolve_tool_call_format(tokenizer, environment.tool_call_format)
                                  if environment.type == "tools" else environment.tool_call_format)
         check_template_round_trip(tokenizer, sample_conversations(factory.observation_role), stop_token_id, self.tools)
+        # Type tools with a template that does not show tools (SmolLM2's ChatML): offered in the system prompt.
+        self.tools_in_system = (describe_tools(self.tools) if self.tools and not template_renders_tools(tokenizer)
+                                else None)
 
-    def sample(self, policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, starts: list[EpisodeStart],
+    @property
+    def copies_weights(self) -> bool:
+        return self.inner.copies_weights
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # --- prompts ------------------------------------------------------------------------------------
+
+    def prompt_messages(self, prompt) -> list[Message]:
+        """The conversation an episode starts from: the prompt (a string is one user turn), data.system_prompt
+        first unless the prompt has a system turn, and the tools described there when the template does not
+        show them."""
+        messages = as_messages(prompt, self.system_prompt)
+        if self.tools_in_system is None:
+            return messages
+        if messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + self.tools_in_system}, *messages[1:]]
+        return [{"role": "system", "content": self.tools_in_system}, *messages]
+
+    def starts_for(self, prompts: list) -> list[EpisodeStart]:
+        """One EpisodeStart per prompt: its row's columns, its messages, and a reset seed drawn from torch's
+        random state (seeded and checkpointed: a resumed run draws the same), the same for consecutive
+        repeats of one prompt (a prompt's group of num_generations)."""
+        columns = self.columns_for(prompts) if self.columns_for is not None else {}
+        starts, seed = [], None
+        for i, prompt in enumerate(prompts):
+            if i == 0 or prompt != prompts[i - 1]:
+                seed = int(torch.randint(0, 2**31 - 1, (1,)))
+            row = {name: values[i] for name, values in columns.items()}
+            starts.append(EpisodeStart(row, seed, self.prompt_messages(prompt)))
+        return starts
+
+    def encode_prompts(self, starts: list[EpisodeStart], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, P) left-padded ids and mask: each start's messages through the chat template, with the tools."""
+        rows = [encode(self.tokenizer, render(self.tokenizer, s.prompt_messages, self.tools, True)) for s in starts]
+        longest = max(len(r) for r in rows)
+        if self.max_prompt_tokens is not None and longest > self.max_prompt_tokens:
+            from ppo_cli.errors import DataError
+
+            raise DataError(f"an episode's prompt (its chat template and the tools included) takes {longest} tokens, "
+                            f"more than data.max_prompt_tokens ({self.max_prompt_tokens})",
+                            hint=f"raise data.max_prompt_tokens to at least {longest}, or shorten the prompts")
+        return left_pad(rows, self.pad_token_id, device)
+
+    # --- episodes -----------------------------------------------------------------------------------
+
+    def sample(self, policy, prompt_ids: torch.Tensor | None, prompt_mask: torch.Tensor | None, *,
+               prompts: list | None = None, starts: list[EpisodeStart] | None = None,
                with_logprobs: bool = False, keep_hidden: bool = False, on_finished=None,
-               max_new_tokens: int | None = None) -> MultiTurnSampled:
-        """``starts``: one per row of ``prompt_ids`` (B, P). ``max_new_tokens``, if given, lowers the episode
-        budget (max_episode_tokens). ``on_finished(rows, [ids])`` is told of each episode as it ends, with its
-        last turn's ids (what the rewards score). Raises EnvironmentFailed with on_failure: error."""
+               max_new_tokens: int | None = None, device=None) -> MultiTurnSampled:
+        """Either ``prompts`` (as read: strings or message lists; the ids, rows and seeds are made here,
+        ``prompt_ids`` / ``prompt_mask`` ignored) or ``starts``: one per row of ``prompt_ids`` (B, P).
+        ``max_new_tokens``, if given, lowers the episode budget (max_episode_tokens). ``on_finished(rows,
+        [ids])`` is told of each episode as it ends, with its last turn's ids. Raises EnvironmentFailed
+        with on_failure: error."""
+        if starts is None:
+            starts = self.starts_for(prompts)
+            prompt_ids, prompt_mask = self.encode_prompts(starts, device if device is not None else
+                                                          (prompt_ids.device if prompt_ids is not None else "cpu"))
         assert len(starts) == prompt_ids.shape[0]
         budget = min(self.environment.max_episode_tokens, max_new_tokens or self.environment.max_episode_tokens)
         episodes = [Episode(row_ids[row_mask].tolist(), list(start.prompt_messages), budget)
@@ -135,7 +207,7 @@ class MultiTurnSampler:
                     break
                 sequences, mask = left_pad([episodes[i].sequence for i in rows], self.pad_token_id, prompt_ids.device)
                 sampled = self.inner.sample(policy, sequences, mask, with_logprobs=with_logprobs, keep_hidden=keep_hidden,
-                                            max_new_tokens=max(episodes[i].remaining for i in rows))
+                                            max_new_tokens=self._turn_budget(max(episodes[i].remaining for i in rows)))
                 policy_logprobs = sampled.policy_logprobs
                 for k, i in enumerate(rows):
                     last[i] = self._add_turn(episodes[i], sampled, k)
@@ -152,11 +224,15 @@ class MultiTurnSampler:
 
     # --- one turn ---------------------------------------------------------------------------------
 
+    def _turn_budget(self, remaining: int) -> int:
+        return remaining if self.max_turn_tokens is None else min(remaining, self.max_turn_tokens)
+
     def _add_turn(self, episode: Episode, sampled, k: int) -> list[int]:
         """Row ``k`` of the inner sampler's turn into ``episode``, cut to its remaining budget."""
         generation = sampled.generation
         keep = generation.response_mask[k]
-        ids = generation.response_ids[k][keep].tolist()[: episode.remaining]
+        room = episode.remaining
+        ids = generation.response_ids[k][keep].tolist()[: self._turn_budget(room)]
         stopped = bool(ids) and ids[-1] == self.stop_token_id
         logprobs = sampled.logprobs[k][keep][: len(ids)].tolist() if sampled.logprobs is not None else None
         hidden = sampled.hidden[k][keep][: len(ids)] if sampled.hidden is not None else None
@@ -164,8 +240,8 @@ class MultiTurnSampler:
         text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         calls = [c.as_message_call() for c in parse_tool_calls(text) if c.error is None]
         episode.messages.append({**assistant_message(text), **({"tool_calls": calls} if calls else {})})
-        if not stopped:
-            episode.end("max_episode_tokens")
+        if not stopped:  # the message is cut: by the episode's budget, or by the turn's
+            episode.end("max_episode_tokens" if len(ids) >= room else "max_new_tokens")
         return ids
 
     async def _reset(self, episodes: list[Episode], starts: list[EpisodeStart], environments: list) -> None:

@@ -55,14 +55,20 @@ def test_an_unknown_environment_key_is_refused(tmp_path):
     assert "environment.class_" in err.message
 
 
-def test_commands_refuse_an_environment_until_it_is_wired(tmp_path):
-    """Not silently one turn: ppo train (and the inference commands, through the same check) stop in one line."""
+def test_an_environment_with_several_processes_or_vllm_is_refused_in_one_line(tmp_path):
+    """Episodes of several turns run in one process with transformers' generate: the others are refused
+    before anything loads (ppo train --num-processes 2 here; vLLM through the same check)."""
     from typer.testing import CliRunner
 
     from ppo_cli.cli import app
+    from ppo_cli.commands.inputs import check_environment
+    from ppo_cli.errors import RecipeError
 
-    result = CliRunner().invoke(app, ["train", str(write(tmp_path, BASE + GUESS))])
+    result = CliRunner().invoke(app, ["train", str(write(tmp_path, BASE + GUESS)), "--num-processes", "2"])
     assert result.exit_code == 2
-    assert result.stderr.splitlines()[0] == (
-        "error: environment: episodes with several turns are not wired into the commands yet")
+    assert result.stderr.splitlines()[0] == "error: environment: episodes of several turns run in one process, not 2"
     assert "Traceback" not in result.output
+    recipe = load_recipe(write(tmp_path, BASE + GUESS), ["generation.backend=vllm"])
+    with pytest.raises(RecipeError, match="sample with generation.backend hf, not vllm"):
+        check_environment(recipe)
+    check_environment(load_recipe(write(tmp_path, BASE + GUESS)))  # one process, hf: accepted
