@@ -283,6 +283,9 @@ def rollout(
     prompts: PromptsOpt = None, field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None,
     overrides: OverridesOpt = None, max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None,
     seed: SeedOpt = None, num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
+    tokens: Annotated[bool, typer.Option("--tokens", help="Also write each row's token_ids (the prompt's and every "
+                                         "token after it), loss_mask (1 where the policy's sampled token is trained) "
+                                         "and logprobs (the policy's, where loss_mask is 1): what training sees.")] = False,
 ) -> None:
     """Sample responses from MODEL; one JSON object per (prompt, sample) in --out."""
     from ppo_cli.runs import check_output_path
@@ -295,7 +298,8 @@ def rollout(
 
     settings = inputs.sampling_settings(resolved, num_samples, batch_size)
     with report.progress_bar("rollout", len(prompt_list) * num_samples) as advance:
-        result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance, columns=columns)
+        result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance, columns=columns,
+                             tokens=tokens)
     report.print_rollout(str(result.out), result.rows, result.prompts, result.model)
 
 

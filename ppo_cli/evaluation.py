@@ -53,12 +53,13 @@ def model_path(model: ResolvedModel) -> str:
 
 
 def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], settings: SamplingSettings, *,
-                with_kl: bool = False, progress: Progress | None = None) -> list[dict]:
+                with_kl: bool = False, with_tokens: bool = False, progress: Progress | None = None) -> list[dict]:
     """Sample ``settings.num_samples`` responses per prompt; one row dict per (prompt, sample), naming
     ``model`` when given (a rollouts file says which model wrote it).
 
     With ``with_kl`` each row also gets ``kl``: sum over its response tokens of the k1 estimate
-    log pi(y_t) - log pi_ref(y_t), from the same log-prob code as training.
+    log pi(y_t) - log pi_ref(y_t), from the same log-prob code as training. With ``with_tokens`` each row
+    also gets exactly what training would see (``token_fields``): ``token_ids``, ``loss_mask`` and ``logprobs``.
     """
     import torch
 
@@ -75,7 +76,10 @@ def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], setting
             generation, records = sampled.generation, getattr(sampled, "episodes", None)
             responses = (engine.decode_responses(generation) if records is None
                          else [e.last_response for e in records])
-            kl = sequence_kl(engine, generation).tolist() if with_kl else None
+            logprobs = ref_logprobs = None
+            if with_kl or with_tokens:  # the training forward's log-probs, on the policy's tokens only
+                logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
+            kl = sequence_kl(logprobs, ref_logprobs, generation).tolist() if with_kl else None
             prompt_tokens = generation.prompt_mask.sum(dim=1).tolist()
             response_tokens = generation.response_lengths.tolist()
             for j, (index, sample, prompt) in enumerate(batch):
@@ -86,6 +90,8 @@ def sample_rows(engine, model: ResolvedModel | None, prompts: list[str], setting
                     row["kl"] = float(kl[j])
                 if records is not None:
                     row.update(episode_fields(records[j]))
+                if with_tokens:
+                    row.update(token_fields(generation, logprobs, j))
                 rows.append(row)
             if progress is not None:
                 progress(len(batch))
@@ -101,11 +107,26 @@ def episode_fields(episode) -> dict:
             "env_failed": episode.failed, "env_failure": episode.failure}
 
 
-def sequence_kl(engine, generation):
-    """(B,) KL to the reference per response: sum_t k1_t over the policy's tokens (action mask)."""
+def token_fields(generation, logprobs, row: int) -> dict:
+    """One row's whole sequence as training sees it: ``token_ids`` (the prompt's and every token after it:
+    the policy's and the environment's, no padding), ``loss_mask`` (one 0/1 per id: 1 where the policy
+    sampled the token and it is trained) and ``logprobs`` (one per id: the policy's log-prob of the token
+    at the sampling temperature where loss_mask is 1, else 0)."""
+    prompt = generation.prompt_ids[row][generation.prompt_mask[row]].tolist()
+    real = generation.response_mask[row]
+    response = generation.response_ids[row][real].tolist()
+    action = generation.action_mask[row][real]
+    trained = [int(a) for a in action.tolist()]
+    values = logprobs[row][real].masked_fill(~action, 0.0).tolist()
+    return {"token_ids": prompt + response, "loss_mask": [0] * len(prompt) + trained,
+            "logprobs": [0.0] * len(prompt) + [float(v) for v in values]}
+
+
+def sequence_kl(logprobs, ref_logprobs, generation):
+    """(B,) KL to the reference per response: sum_t k1_t over the policy's tokens (action mask), from the
+    rollout forward's log-probs and reference log-probs (B, T)."""
     from ppo_cli.algo.kl import kl_penalty
 
-    logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
     kl = kl_penalty(logprobs, ref_logprobs, "k1").masked_fill(~generation.action_mask, 0.0)  # (B, T)
     return kl.sum(dim=1)
 

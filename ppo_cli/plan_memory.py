@@ -464,7 +464,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         value_kind=value.kind, value_dtype=value_dtype, value_lora=recipe.value.lora,
         rewards=rewards, micro_batch=update_micro_batch(recipe, prompt_len), mini_batch=recipe.ppo.mini_batch_size,
         rollout_batch=recipe.episodes_per_update,
-        prompt_tokens=prompt_len, response_tokens=recipe.generation.max_new_tokens,
+        prompt_tokens=prompt_len, response_tokens=response_budget(recipe),
         token_budget=recipe.ppo.micro_batch_tokens is not None,
         value_frozen=frozen, optimizer=recipe.optim.name,
         mixed_precision=mixed_precision,
@@ -478,13 +478,21 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
     )
 
 
+def response_budget(recipe: Recipe) -> int:
+    """The most tokens after a prompt: generation.max_new_tokens, or with an environment its
+    max_episode_tokens (the policy's turns and the environment's messages together)."""
+    if recipe.environment is not None:
+        return recipe.environment.max_episode_tokens
+    return recipe.generation.max_new_tokens
+
+
 def update_micro_batch(recipe: Recipe, prompt_len: int) -> int:
     """Episodes per update forward: micro_batch_size, or, with a token budget, as many full-length
-    episodes as fit in it (the worst case: every response runs to max_new_tokens)."""
+    episodes as fit in it (the worst case: every response runs to response_budget)."""
     ppo = recipe.ppo
     if ppo.micro_batch_tokens is None:
         return ppo.micro_batch_size
-    return max(1, min(ppo.mini_batch_size, ppo.micro_batch_tokens // (prompt_len + recipe.generation.max_new_tokens)))
+    return max(1, min(ppo.mini_batch_size, ppo.micro_batch_tokens // (prompt_len + response_budget(recipe))))
 
 
 def model_shapes(recipe: Recipe) -> dict:

@@ -216,6 +216,10 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
     rows += [(f"  {name}", _signed(value, 3)) for name, value in summary["reward_components"].items()]
+    if "turns" in summary:  # episodes of several turns
+        rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}"),
+                 ("environment failed", f"{summary['env_failed_rate']:.0%}")]
+        rows += [(f"  ended by {reason}", f"{share:.0%}") for reason, share in summary["ended_by"].items() if share]
     if summary.get("reward_failed"):
         rows.append(("rows without a reward", str(summary["reward_failed"])))
     return rows
@@ -260,10 +264,21 @@ def compare_table(a: dict, b: dict, pairs: list[dict]) -> Table:
         table.add_column("reward", justify="right", no_wrap=True)
         table.add_column("EOS", no_wrap=True)
     for pair in pairs:
-        table.add_row(Text(prompt_text(pair["prompt"])), Text(pair["a_response"].strip()), _signed(pair["a_reward"]),
-                      _eos(pair["a_finished"]), Text(pair["b_response"].strip()), _signed(pair["b_reward"]),
+        table.add_row(Text(prompt_text(pair["prompt"])), Text(_shown_response(pair, "a")), _signed(pair["a_reward"]),
+                      _eos(pair["a_finished"]), Text(_shown_response(pair, "b")), _signed(pair["b_reward"]),
                       _eos(pair["b_finished"]))
     return table
+
+
+def _shown_response(pair: dict, side: str) -> str:
+    """The response as the table shows it: an episode of several turns as its final answer and its turn and
+    tool-call counts (the whole transcript is in the JSON file)."""
+    text = pair[f"{side}_response"].strip()
+    if f"{side}_turns" not in pair:
+        return text
+    turns, calls = pair[f"{side}_turns"], pair[f"{side}_tool_calls"]
+    return f"{text}\n[{turns} turn{'s' * (turns != 1)}, {calls} tool call{'s' * (calls != 1)}]"
+
 
 
 def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, str, str, str]]:
@@ -278,7 +293,9 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
          _signed(b["response_length"] - a["response_length"], 1), ""),
         ("mean KL to ref", kl(a), kl(b), "", ""),
         ("distinct-1 / -2", f"{a['distinct_1']:.2f} / {a['distinct_2']:.2f}", f"{b['distinct_1']:.2f} / {b['distinct_2']:.2f}", "", ""),
-    ]
+    ] + ([("mean turns", f"{a['turns']:.2f}", f"{b['turns']:.2f}", _signed(b["turns"] - a["turns"], 2), ""),
+          ("tool-call rate", f"{a['tool_call_rate']:.0%}", f"{b['tool_call_rate']:.0%}",
+           f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else [])
 
 
 def _summary_footnote(a: dict, difference: dict) -> str:

@@ -37,6 +37,9 @@ def pair_rows(rows_a: list[dict], rows_b: list[dict]) -> list[dict]:
             pair.update({f"{side}_response": row["response"], f"{side}_reward": row["reward"],
                          f"{side}_finished": row["finished"], f"{side}_response_tokens": row["response_tokens"],
                          f"{side}_kl": row["kl"]})
+            if "messages" in row:  # an episode of several turns: the response is its last message
+                pair.update({f"{side}_turns": row["turns"], f"{side}_tool_calls": row["tool_calls"],
+                             f"{side}_ended_by": row["ended_by"], f"{side}_messages": row["messages"]})
         pairs.append(pair)
     return pairs
 

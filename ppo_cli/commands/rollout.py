@@ -37,14 +37,15 @@ def release(engine) -> None:
 
 
 def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: SamplingSettings, out: Path,
-        progress: Progress | None = None, columns=None) -> RolloutResult:
+        progress: Progress | None = None, columns=None, tokens: bool = False) -> RolloutResult:
     """``columns``: the prompts' other columns (engine/data.PromptColumns): each row keeps its
-    prompt's under "columns", for `ppo score` to give to the rewards that read them."""
+    prompt's under "columns", for `ppo score` to give to the rewards that read them. ``tokens``: each row
+    also gets token_ids, loss_mask and logprobs (evaluation.token_fields): what training would see."""
     from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.runs import write_jsonl_atomic
 
     engine = load_inference_engine(recipe, model)
-    rows = sample_rows(engine, model, prompts, settings, progress=progress)
+    rows = sample_rows(engine, model, prompts, settings, with_tokens=tokens, progress=progress)
     if columns is not None and columns.names:
         found = columns.columns_for([row["prompt"] for row in rows])
         for i, row in enumerate(rows):

@@ -71,8 +71,9 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
 
     stack = RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
                         columns if columns is not None else lambda: recipe_prompt_columns(recipe.data))
-    if columns is not None:
-        stack.check_columns(columns.names, source or "the prompts")
+    if columns is not None:  # an episode's transcript is a column too, with an environment
+        stack.check_columns(columns.names | ({"messages"} if recipe.environment is not None else set()),
+                            source or "the prompts")
     return stack
 
 

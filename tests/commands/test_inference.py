@@ -223,7 +223,8 @@ def test_kl_matches_a_plain_full_softmax_forward(ws: Workspace):
     engine = load_inference_engine(load_recipe(model.recipe_path), model)
     torch.manual_seed(0)
     generation = engine.generate(PROMPTS)
-    kl = sequence_kl(engine, generation)  # (B,)
+    logprobs, ref_logprobs, _, _ = engine.evaluate_logprobs_and_values(generation, engine.recipe.ppo.micro_batch_size)
+    kl = sequence_kl(logprobs, ref_logprobs, generation)  # (B,)
 
     peft_model = engine.actor_critic.policy
     seq, attn = generation.sequences, generation.attention_mask.long()

@@ -397,3 +397,20 @@ def test_plan_follows_the_measured_peak_of_two_processes_at_the_05b_shape(tmp_pa
                  prompt_tokens=7, response_tokens=16, processes=2, sharding=sharding, fsdp_per_block=fsdp_per_block)
     planned = estimate(s, shape, None, [reward]).total_gb
     assert 0.75 <= planned / measured_gb <= 1.25
+
+
+def test_an_environment_plans_max_episode_tokens_after_the_prompt(tmp_path):
+    """Episodes of several turns: every token after the prompt (the policy's turns and the environment's
+    messages) counts, up to environment.max_episode_tokens, not one turn's max_new_tokens."""
+    from ppo_cli.plan_memory import response_budget, settings_from_recipe
+    from ppo_cli.recipe_loading import load_recipe
+
+    env = "{type: tools, tools: ['recipes/tools/calculator.py:calculate'], max_episode_tokens: 200}"
+    one_turn = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", ["generation.max_new_tokens=24"])
+    episodes = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", ["generation.max_new_tokens=24", f"environment={env}"])
+    assert (response_budget(one_turn), response_budget(episodes)) == (24, 200)
+    assert settings_from_recipe(episodes, "cpu", prompt_len=8).response_tokens == 200
+    tokens = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml",
+                         ["ppo.micro_batch_tokens=832", f"environment={env}", "ppo.mini_batch_size=8",
+                          "ppo.micro_batch_size=8"])
+    assert settings_from_recipe(tokens, "cpu", prompt_len=8).micro_batch == 4  # 832 // (8 + 200)

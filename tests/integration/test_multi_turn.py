@@ -200,3 +200,77 @@ def test_ppo_train_with_an_environment_and_each_estimator(chat_policy, recipe_fi
         assert "val/explained_variance" in row  # the critic saw the episodes
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
     assert sample["messages"][0]["role"] == "assistant" and sample["turns"] >= 1
+
+
+def test_ppo_rollout_tokens_and_eval_run_the_environment(chat_policy, recipe_files, tmp_path):
+    """`ppo rollout --tokens` writes each episode's transcript and exactly what training sees; `ppo eval`
+    runs the same episodes and reports turns."""
+    sets = _sets(chat_policy, recipe_files, tmp_path)
+    out = tmp_path / "episodes.jsonl"
+    common = ["--recipe", str(ROOT / "recipes/tiny_sentiment.yaml"), *sets,
+              "--prompts", str(ROOT / "recipes/prompts/reviews_eval.txt")]
+    result = runner.invoke(app, ["rollout", str(chat_policy), "--out", str(out), "--tokens", *common])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_policy)
+    several = 0
+    for row in rows:
+        ids, mask, logprobs = row["token_ids"], row["loss_mask"], row["logprobs"]
+        assert len(ids) == len(mask) == len(logprobs) == row["prompt_tokens"] + len(ids) - row["prompt_tokens"]
+        assert sum(mask) == row["response_tokens"]  # the policy's tokens only
+        assert all((lp < 0) == bool(m) for lp, m in zip(logprobs, mask))  # a log-prob exactly where trained
+        assert row["messages"][0]["role"] == "assistant" and row["turns"] == sum(
+            m["role"] == "assistant" for m in row["messages"])
+        holes = [t for t, m in zip(ids[row["prompt_tokens"]:], mask[row["prompt_tokens"]:]) if not m]
+        if row["turns"] > 1:
+            several += 1
+            assert "tell me more" in tokenizer.decode(holes)
+    assert several > 0
+    # `ppo score` scores the transcripts as training does: the last message, plus the steps' rewards
+    result = runner.invoke(app, ["score", str(out), "--recipe", str(ROOT / "recipes/tiny_sentiment.yaml"), *sets])
+    assert result.exit_code == 0, result.output
+    penalty = 10.0  # tiny_sentiment.yaml's reward.missing_eos_penalty
+    for row in (json.loads(line) for line in out.with_name("episodes.scored.jsonl").read_text().splitlines()):
+        steps = 0.5 * sum(m["role"] == "user" for m in row["messages"])
+        expected = len(row["response"].split()) / 10 + steps - (0.0 if row["finished"] else penalty)
+        assert row["reward"] == pytest.approx(expected, abs=1e-5)
+    result = runner.invoke(app, ["eval", str(chat_policy), *common])
+    assert result.exit_code == 0, result.output
+    assert "turns" in result.output
+
+
+def test_ppo_compare_shows_turns_and_keeps_the_transcripts(chat_policy, recipe_files, tmp_path):
+    sets = _sets(chat_policy, recipe_files, tmp_path)
+    result = runner.invoke(app, ["compare", str(chat_policy), str(chat_policy), "--recipe",
+                                 str(ROOT / "recipes/tiny_sentiment.yaml"), *sets, "--prompts",
+                                 str(ROOT / "recipes/prompts/reviews_eval.txt"), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    assert "mean turns" in result.output and "tool-call rate" in result.output and " turn" in result.output
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    row = report["rows"][0]
+    assert row["a_messages"] == row["b_messages"] and row["a_messages"][0]["role"] == "assistant"
+    assert row["a_turns"] == sum(m["role"] == "assistant" for m in row["a_messages"])
+
+
+def test_a_resumed_run_with_an_environment_equals_the_uninterrupted_one(chat_policy, recipe_files, tmp_path):
+    """The reset seeds come from torch's random state, which a checkpoint keeps: update 2 after a resume
+    samples the same episodes and gives the same numbers."""
+    def metrics(run: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "tokens_per_s"))} for row in rows]
+
+    base = {"generation.num_generations": 2, "ppo.mini_batch_size": 8, "value.kind": "none", "ppo.advantage": "grpo",
+            "train.save_every": 1}
+    whole = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
+                                *_sets(chat_policy, recipe_files, tmp_path / "whole", **base, **{"train.total_updates": 2})])
+    assert whole.exit_code == 0, whole.output
+    first = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
+                                *_sets(chat_policy, recipe_files, tmp_path / "parts", **base)])
+    assert first.exit_code == 0, first.output
+    resumed = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
+                                  *_sets(chat_policy, recipe_files, tmp_path / "parts", **base, **{"train.total_updates": 2}),
+                                  "--resume", "latest"])
+    assert resumed.exit_code == 0, resumed.output
+    assert metrics(tmp_path / "parts" / "mt") == metrics(tmp_path / "whole" / "mt")
