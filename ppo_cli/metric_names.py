@@ -39,6 +39,7 @@ REWARD_STD = "reward_std"  # generation.num_generations >= 2 only (TRL's name)
 FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # generation.num_generations >= 2 only (TRL's name)
 ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"  # a separate sampler (vLLM) only
 ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+REWARD_OVERLONG = "reward/overlong"  # reward.overlong_buffer > 0: the mean overlong penalty (a reward_component)
 REWARD_FAILED_RATE = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
 
 

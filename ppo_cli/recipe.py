@@ -267,6 +267,13 @@ class RewardConfig(Section):
     )
     max_response_tokens: int | None = Field(None, gt=0, description="Responses longer than this get overlength_penalty.")
     overlength_penalty: float = Field(0.0, ge=0.0, description="Subtracted when a response passes max_response_tokens.")
+    overlong_buffer: int = Field(
+        0, ge=0,
+        description="DAPO's soft overlong punishment (verl: reward_model.overlong_buffer; TRL: "
+        "get_soft_overlong_punishment): over the last this many tokens before generation.max_new_tokens a penalty "
+        "grows linearly from 0 to overlong_penalty, counting the policy's sampled tokens (reward/overlong). 0: off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="The overlong penalty at generation.max_new_tokens (overlong_buffer > 0).")
 
     @model_validator(mode="after")
     def _overlength_needs_limit(self) -> "RewardConfig":
@@ -866,5 +873,18 @@ class Recipe(Section):
                 "has no effect with a LoRA policy: the reference is the policy's base with the adapter disabled",
                 "remove `reference.quantization`, quantize the base with `policy.quantization`, or set `reference.path`",
                 key="reference.quantization",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dapo_options_fit(self) -> "Recipe":
+        """reward.overlong_buffer within the response length."""
+        buffer, max_new = self.reward.overlong_buffer, self.generation.max_new_tokens
+        if buffer > max_new:
+            raise _rule_error(
+                f"({buffer}) is longer than generation.max_new_tokens ({max_new}): the penalty would start before "
+                "the first token",
+                f"set `reward.overlong_buffer` to at most {max_new} (DAPO: a quarter of max_new_tokens)",
+                key="reward.overlong_buffer",
             )
         return self

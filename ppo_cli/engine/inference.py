@@ -70,7 +70,8 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
     quiet_libraries()
 
     stack = RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
-                        columns if columns is not None else lambda: recipe_prompt_columns(recipe.data))
+                        columns if columns is not None else lambda: recipe_prompt_columns(recipe.data),
+                        max_new_tokens=recipe.generation.max_new_tokens)
     if columns is not None:
         stack.check_columns(columns.names, source or "the prompts")
     return stack

@@ -213,3 +213,12 @@ def k3(logprobs, ref_logprobs):
         diff = ref_logprobs[index] - logprobs[index]
         out[index] = math.exp(diff) - diff - 1
     return out
+
+
+def soft_overlong_punishment(length, max_length, buffer, penalty):
+    """DAPO's overlong reward, written as TRL's get_soft_overlong_punishment (three cases) times penalty."""
+    if length <= max_length - buffer:
+        return 0.0
+    if length <= max_length:
+        return penalty * (max_length - buffer - length) / buffer
+    return -penalty

@@ -87,3 +87,12 @@ def test_a_resolved_critic_free_recipe_reads_back_equal(tmp_path):
     """The run's recipe.yaml writes every default (value.init_from, ppo.vf_coef, ...): it must load again."""
     recipe = load_recipe(write(tmp_path, BASE), [*GRPO, "ppo.scale_rewards=none"])
     assert load_recipe(write(tmp_path, dump_resolved(recipe), "resolved.yaml")) == recipe
+
+
+def test_overlong_buffer_longer_than_the_responses_is_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    err = error(path, ["reward.overlong_buffer=40", "generation.max_new_tokens=32"])
+    assert err.message == ("--set reward.overlong_buffer: (40) is longer than generation.max_new_tokens (32): the "
+                           "penalty would start before the first token")
+    assert err.hint == "set `reward.overlong_buffer` to at most 32 (DAPO: a quarter of max_new_tokens)"
+    assert load_recipe(path, ["reward.overlong_buffer=8", "generation.max_new_tokens=32"]).reward.overlong_buffer == 8
