@@ -60,6 +60,7 @@ POLICY_CLIPFRAC_AVG = "policy/clipfrac_avg"
 POLICY_CLIPFRAC_LOW = "policy/clipfrac_low"
 POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"
 POLICY_ENTROPY_AVG = "policy/entropy_avg"
+POLICY_ENTROPY_THRESHOLD = "policy/entropy_threshold"  # ppo.top_entropy_quantile < 1 only: the micro-batches' mean
 POLICY_GRAD_NORM = "policy/grad_norm"
 LOSS_POLICY_AVG = "loss/policy_avg"
 LOSS_VALUE_AVG = "loss/value_avg"  # a critic only

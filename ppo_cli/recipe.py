@@ -407,6 +407,13 @@ class PPOConfig(Section):
         description="Completions that hit generation.max_new_tokens without their stop token leave the policy loss "
         "(DAPO's overlong filtering; TRL's mask_truncated_completions). They still count in the rewards and advantages.",
     )
+    top_entropy_quantile: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="Train the policy loss only on the tokens whose entropy is in this top fraction of the "
+        "micro-batch's trained tokens (Wang et al. 2025's forking tokens, e.g. 0.2; TRL's top_entropy_quantile): "
+        "the others' loss is zeroed, the loss's normaliser unchanged. The threshold is logged as "
+        "policy/entropy_threshold. 1.0: every token.",
+    )
     ppo_epochs: int = Field(4, gt=0, description="Passes over each rollout batch (TRL: num_ppo_epochs).")
     cliprange: float = Field(0.2, gt=0.0, description="Clip range of the policy ratio (TRL: cliprange).")
     cliprange_value: float = Field(0.2, gt=0.0, description="Clip range of the value update (TRL: cliprange_value).")

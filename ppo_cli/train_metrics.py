@@ -119,6 +119,8 @@ def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
         metrics[names.VAL_CLIPFRAC_AVG] = dist.mean_of(stats.mean("value_clipfrac"))
     if "kl_loss" in stats.values:  # ppo.kl_penalty loss: the k3 term before kl_coef
         metrics[names.LOSS_KL_AVG] = dist.mean_of(stats.mean("kl_loss"))
+    if "entropy_threshold" in stats.values:  # ppo.top_entropy_quantile < 1: the entropy a trained token had at least
+        metrics[names.POLICY_ENTROPY_THRESHOLD] = dist.mean_of(stats.mean("entropy_threshold"))
     if stats.grad_norms:
         metrics[names.POLICY_GRAD_NORM] = sum(stats.grad_norms) / len(stats.grad_norms)
     return metrics

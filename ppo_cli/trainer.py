@@ -29,6 +29,7 @@ from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits
 from ppo_cli.algo.masking import mask_truncated_completions, masked_mean
+from ppo_cli.algo.token_selection import high_entropy_mask
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
@@ -300,13 +301,17 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
         weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.action_mask[rows, :T],
                                        ppo.rollout_is_clip)
+    with torch.set_grad_enabled(ppo.entropy_coef > 0):
+        token_entropy = entropy_from_logits(logits)  # (M, T)
+    if ppo.top_entropy_quantile < 1.0:  # train on the high-entropy tokens only (TRL's top_entropy_quantile)
+        weights = select_high_entropy_tokens(token_entropy, loss_mask, ppo.top_entropy_quantile, weights, stats)
     max_len = state.recipe.generation.max_new_tokens
     policy = clipped_policy_loss(logprobs, old_logprobs, adv.advantages[rows, :T], loss_mask,
                                  ppo.cliprange, token_weights=weights, cliprange_high=ppo.cliprange_high,
                                  ratio_level=ppo.ratio_level, loss_agg_mode=ppo.loss_aggregation,
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
-        entropy = masked_mean(entropy_from_logits(logits), mask)
+        entropy = masked_mean(token_entropy, mask)
     if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         loss = policy.loss - ppo.entropy_coef * entropy
     else:
@@ -325,3 +330,15 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         clipfrac_low=policy.clipfrac_low, clipfrac_high=policy.clipfrac_high, entropy=entropy,
     )
     return loss
+
+
+def select_high_entropy_tokens(token_entropy: torch.Tensor, loss_mask: torch.Tensor, top_quantile: float,
+                               weights: torch.Tensor | None, stats: UpdateStats) -> torch.Tensor:
+    """The policy loss's token weights (M, T) with the tokens below the micro-batch's entropy threshold zeroed
+    (algo/token_selection.py); the threshold recorded for policy/entropy_threshold. TRL gathers the
+    micro-batch's tokens from every process before taking the quantile; here each process takes its own
+    micro-batch's (the same with one process)."""
+    selection = high_entropy_mask(token_entropy, loss_mask, top_quantile)
+    stats.add(entropy_threshold=selection.threshold)
+    keep = selection.keep.to(token_entropy.dtype)
+    return keep if weights is None else weights * keep
