@@ -43,6 +43,14 @@ REWARD_OVERLONG = "reward/overlong"  # reward.overlong_buffer > 0: the mean over
 REWARD_FAILED_RATE = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
 
 
+# --- ppo.filter_groups (DAPO's dynamic sampling) only ----------------------------------------------
+
+FILTER_KEPT_GROUPS = "filter/kept_groups"  # groups trained on, all processes (those whose completions scored apart)
+FILTER_ROUNDS = "filter/rounds"  # sampling rounds this update: 1 + the extra rounds
+FILTER_GENERATED_EPISODES = "filter/generated_episodes"  # episodes sampled and scored this update, all processes
+FILTER_FILL = "filter/fill"  # kept groups / rollout_batch_size groups of every process: 1 when the batch filled
+
+
 def reward_component(name: str) -> str:
     """A reward component's mean over the episodes it scored (``name``: its display name)."""
     return f"reward/{name}"
