@@ -397,3 +397,16 @@ def test_plan_follows_the_measured_peak_of_two_processes_at_the_05b_shape(tmp_pa
                  prompt_tokens=7, response_tokens=16, processes=2, sharding=sharding, fsdp_per_block=fsdp_per_block)
     planned = estimate(s, shape, None, [reward]).total_gb
     assert 0.75 <= planned / measured_gb <= 1.25
+
+
+def test_plan_notes_the_filter_rounds(tmp_path):
+    from ppo_cli.commands.plan import filter_rounds_note
+    from ppo_cli.recipe_loading import load_recipe
+
+    path = ROOT / "recipes" / "tiny_grpo.yaml"
+    assert filter_rounds_note(load_recipe(path, tiny_overrides(tmp_path, tmp_path))) == ""
+    recipe = load_recipe(path, tiny_overrides(tmp_path, tmp_path, **{"ppo.filter_groups": "true", "ppo.max_filter_rounds": 2}))
+    assert filter_rounds_note(recipe) == (
+        "ppo.filter_groups: 1 to 3 rollouts per update (at most 3 x 64 episodes sampled and scored, 3 x the "
+        "rollout's time); memory as one rollout: a round is let go once its kept groups are copied, and at most "
+        "rollout_batch_size groups are kept")
