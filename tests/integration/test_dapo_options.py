@@ -73,3 +73,27 @@ def test_overlong_shaping_and_entropy_selection_through_the_cli(tiny_models, tmp
     for m in metrics:
         assert -2.0 <= m[names.REWARD_OVERLONG] <= 0.0
         assert m[names.POLICY_ENTROPY_THRESHOLD] > 0.0
+
+
+def test_filter_groups_resumes_exactly(tiny_models, tmp_path):
+    """The extra rounds move the prompt sampler further: a run stopped after update 2 and resumed to 4
+    gives the uninterrupted run's metrics (the sampler's position and the RNG are in the checkpoint)."""
+    from tests.integration.test_reliability import _assert_same_metrics
+
+    (tmp_path / "zero_one.py").write_text(ZERO_ONE)
+    sets = {**SMALL, "ppo.filter_groups": "true", "ppo.max_filter_rounds": EXTRA_ROUNDS, "train.save_every": 2,
+            "reward.missing_eos_penalty": "null",
+            "reward.components": f"[{{type: function, function: '{tmp_path / 'zero_one.py'}:reward'}}]"}
+
+    def train(out, updates, *flags):
+        args = [a for item in tiny_overrides(tiny_models, out, **sets, **{"train.total_updates": updates})
+                for a in ("--set", item)]
+        result = CliRunner().invoke(app, ["train", str(RECIPE), *args, *flags])
+        assert result.exit_code == 0, result.output
+        return [json.loads(line) for line in (out / "tiny-grpo" / "metrics.jsonl").read_text().splitlines()]
+
+    reference = train(tmp_path / "reference", 4)
+    train(tmp_path / "stopped", 2)
+    resumed = train(tmp_path / "stopped", 4, "--resume", "latest")
+    assert any(m[names.FILTER_ROUNDS] > 1 for m in reference)
+    _assert_same_metrics(resumed, reference)
