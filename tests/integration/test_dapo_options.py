@@ -97,3 +97,30 @@ def test_filter_groups_resumes_exactly(tiny_models, tmp_path):
     resumed = train(tmp_path / "stopped", 4, "--resume", "latest")
     assert any(m[names.FILTER_ROUNDS] > 1 for m in reference)
     _assert_same_metrics(resumed, reference)
+
+
+def test_two_processes_agree_on_the_filtered_batch(tiny_models, tmp_path):
+    """`--num-processes 2` (gloo): every process runs the same rounds and trains on the same number of groups
+    (its own, whole), so the run neither hangs nor splits; the counts in the metrics are global."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "zero_one.py").write_text(ZERO_ONE)
+    sets = {**SMALL, "ppo.filter_groups": "true", "ppo.max_filter_rounds": EXTRA_ROUNDS, "train.total_updates": 3,
+            "ppo.top_entropy_quantile": 0.5, "reward.missing_eos_penalty": "null",
+            "reward.components": f"[{{type: function, function: '{tmp_path / 'zero_one.py'}:reward'}}]"}
+    args = [sys.executable, "-m", "ppo_cli", "train", str(RECIPE), "--num-processes", "2",
+            *[a for item in tiny_overrides(tiny_models, tmp_path, **sets) for a in ("--set", item)]]
+    result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "tiny-grpo" / "metrics.jsonl").read_text().splitlines()]
+    episodes = 0
+    for m in metrics:
+        kept, rounds = m[names.FILTER_KEPT_GROUPS], m[names.FILTER_ROUNDS]
+        assert kept % 2 == 0 and kept <= 2 * PROMPTS  # the same number of groups on each process
+        assert m[names.FILTER_FILL] == kept / 2 / PROMPTS
+        assert m[names.FILTER_GENERATED_EPISODES] == rounds * PROMPTS * G * 2
+        episodes += (kept or 2 * PROMPTS) * G
+        assert m[names.EPISODE] == episodes
+    assert any(m[names.FILTER_ROUNDS] > 1 for m in metrics)  # the processes went on to more rounds together
