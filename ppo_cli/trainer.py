@@ -378,7 +378,10 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         token_entropy = entropy_from_logits(logits)  # (M, T)
     if ppo.top_entropy_quantile < 1.0:  # train on the high-entropy tokens only (TRL's top_entropy_quantile)
-        weights = select_high_entropy_tokens(token_entropy, loss_mask, ppo.top_entropy_quantile, weights, stats)
+        # Over every process's micro-batch, as TRL; not with micro_batch_tokens, whose micro-batch counts differ.
+        dist = state.dist
+        gather = dist.gather if dist.world_size > 1 and ppo.micro_batch_tokens is None else None
+        weights = select_high_entropy_tokens(token_entropy, loss_mask, ppo.top_entropy_quantile, weights, stats, gather)
     max_len = state.recipe.generation.max_new_tokens
     policy = clipped_policy_loss(logprobs, old_logprobs, adv.advantages[rows, :T], loss_mask,
                                  ppo.cliprange, token_weights=weights, cliprange_high=ppo.cliprange_high,
@@ -407,12 +410,13 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
 
 
 def select_high_entropy_tokens(token_entropy: torch.Tensor, loss_mask: torch.Tensor, top_quantile: float,
-                               weights: torch.Tensor | None, stats: UpdateStats) -> torch.Tensor:
+                               weights: torch.Tensor | None, stats: UpdateStats, gather=None) -> torch.Tensor:
     """The policy loss's token weights (M, T) with the tokens below the micro-batch's entropy threshold zeroed
-    (algo/token_selection.py); the threshold recorded for policy/entropy_threshold. TRL gathers the
-    micro-batch's tokens from every process before taking the quantile; here each process takes its own
-    micro-batch's (the same with one process)."""
-    selection = high_entropy_mask(token_entropy, loss_mask, top_quantile)
+    (algo/token_selection.py); the threshold recorded for policy/entropy_threshold. ``gather``: with several
+    processes, Distributed.gather, so that the threshold is taken over every process's micro-batch as TRL
+    does; every process must then call this as many times (equal micro-batches)."""
+    everywhere = (gather(token_entropy.detach()), gather(loss_mask)) if gather is not None else (None, None)
+    selection = high_entropy_mask(token_entropy, loss_mask, top_quantile, *everywhere)
     stats.add(entropy_threshold=selection.threshold)
     keep = selection.keep.to(token_entropy.dtype)
     return keep if weights is None else weights * keep

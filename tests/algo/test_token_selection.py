@@ -54,3 +54,17 @@ def test_matches_the_plain_loop(seed, top_quantile):
     expected_keep, expected_threshold = ref.high_entropy_mask(entropy.tolist(), mask.tolist(), top_quantile)
     assert keep.tolist() == expected_keep
     assert threshold.item() == pytest.approx(expected_threshold, abs=1e-6)
+
+
+def test_the_threshold_over_every_processs_tokens():
+    # this process: 0.1 0.5 0.9 | 0.3 0.7; another's: 2.0 3.0 (one padding column of its own)
+    other = torch.tensor([[2.0, 3.0, 0.0]])
+    other_mask = torch.tensor([[True, True, False]])
+    everyone = torch.cat([ENTROPY, torch.nn.functional.pad(other, (0, 1))])  # gathered: widths padded to 4
+    everyone_mask = torch.cat([MASK, torch.nn.functional.pad(other_mask, (0, 1))])
+    # 7 values sorted 0.1 0.3 0.5 0.7 0.9 2 3; the 0.5 quantile is the 4th: 0.7
+    keep, threshold = high_entropy_mask(ENTROPY, MASK, 0.5, everyone, everyone_mask)
+    assert threshold.item() == pytest.approx(0.7)
+    assert keep.tolist() == [[False, False, True, False], [False, True, False, False]]
+    expected_keep, expected_threshold = ref.high_entropy_mask(everyone.tolist(), everyone_mask.tolist(), 0.5)
+    assert expected_threshold == pytest.approx(0.7) and expected_keep[:2] == keep.tolist()

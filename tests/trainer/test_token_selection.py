@@ -29,3 +29,13 @@ def test_importance_weights_multiply_in():
     is_weights = torch.full((2, 4), 0.5)
     weights = select_high_entropy_tokens(ENTROPY, MASK, 0.4, is_weights, UpdateStats())
     assert weights.tolist() == [[0.0, 0.0, 0.5, 0.0], [0.0, 0.5, 0.0, 0.0]]
+
+
+def test_with_several_processes_the_threshold_is_over_the_gathered_tokens():
+    other = torch.tensor([[2.0, 3.0, 9.0, 9.0], [0.0, 0.0, 0.0, 0.0]])
+    other_mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
+    stats = UpdateStats()
+    weights = select_high_entropy_tokens(ENTROPY, MASK, 0.5, None, stats,
+                                         gather=lambda t: torch.cat([t, other_mask if t.dtype == torch.bool else other]))
+    assert stats.values["entropy_threshold"] == [pytest.approx(0.7)]  # 0.1 0.3 0.5 [0.7] 0.9 2 3
+    assert weights.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
