@@ -39,7 +39,16 @@ REWARD_STD = "reward_std"  # generation.num_generations >= 2 only (TRL's name)
 FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # generation.num_generations >= 2 only (TRL's name)
 ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"  # a separate sampler (vLLM) only
 ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+REWARD_OVERLONG = "reward/overlong"  # reward.overlong_buffer > 0: the mean overlong penalty (a reward_component)
 REWARD_FAILED_RATE = "reward/failed_rate"  # reward components that can fail (functions, servers, judges) only
+
+
+# --- ppo.filter_groups (DAPO's dynamic sampling) only ----------------------------------------------
+
+FILTER_KEPT_GROUPS = "filter/kept_groups"  # groups trained on, all processes (those whose completions scored apart)
+FILTER_ROUNDS = "filter/rounds"  # sampling rounds this update: 1 + the extra rounds
+FILTER_GENERATED_EPISODES = "filter/generated_episodes"  # episodes sampled and scored this update, all processes
+FILTER_FILL = "filter/fill"  # kept groups / rollout_batch_size groups of every process: 1 when the batch filled
 
 
 def reward_component(name: str) -> str:
@@ -59,6 +68,7 @@ POLICY_CLIPFRAC_AVG = "policy/clipfrac_avg"
 POLICY_CLIPFRAC_LOW = "policy/clipfrac_low"
 POLICY_CLIPFRAC_HIGH = "policy/clipfrac_high"
 POLICY_ENTROPY_AVG = "policy/entropy_avg"
+POLICY_ENTROPY_THRESHOLD = "policy/entropy_threshold"  # ppo.top_entropy_quantile < 1 only: the micro-batches' mean
 POLICY_GRAD_NORM = "policy/grad_norm"
 LOSS_POLICY_AVG = "loss/policy_avg"
 LOSS_VALUE_AVG = "loss/value_avg"  # a critic only

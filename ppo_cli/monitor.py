@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from ppo_cli.metric_names import (
-    EOS_RATE, FRAC_REWARD_ZERO_STD, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_SCORES, POLICY_APPROXKL_AVG,
+    EOS_RATE, FILTER_FILL, FRAC_REWARD_ZERO_STD, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_SCORES, POLICY_APPROXKL_AVG,
     POLICY_CLIPFRAC_AVG, POLICY_ENTROPY_AVG, REWARD_FAILED_RATE, RESPONSE_LENGTH, SAMPLES_DISTINCT_1,
     VAL_RATIO_FIRST_MINIBATCH, ENV_ENDED_BY_MAX_EPISODE_TOKENS,
 )
@@ -42,7 +42,7 @@ from ppo_cli.recipe import MonitorConfig
 # The metrics the rules read.
 WATCHED = (POLICY_CLIPFRAC_AVG, POLICY_APPROXKL_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, LOSS_VALUE_AVG, POLICY_ENTROPY_AVG,
            OBJECTIVE_SCORES, SAMPLES_DISTINCT_1, EOS_RATE, VAL_RATIO_FIRST_MINIBATCH, RESPONSE_LENGTH,
-           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE, ENV_ENDED_BY_MAX_EPISODE_TOKENS)
+           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE, ENV_ENDED_BY_MAX_EPISODE_TOKENS, FILTER_FILL)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -341,6 +341,27 @@ def _groups_without_signal(h: History, c: MonitorConfig):
         return mean(values), (
             f"{mean(values):.0%} of the prompt groups scored all their completions the same over the last "
             f"{len(values)} updates (above {c.zero_std_groups_high:g})"
+        )
+    return None
+
+
+@rule(
+    "filter_rounds_exhausted",
+    cause="ppo.filter_groups sampled ppo.max_filter_rounds extra rounds and still found fewer than rollout_batch_size "
+    "groups whose completions scored apart: most prompts are all-pass or all-fail for the policy, and the updates "
+    "train on smaller batches (filter/kept_groups) while each costs up to 1 + max_filter_rounds rollouts",
+    fix="raise ppo.max_filter_rounds, generation.num_generations or generation.temperature; or give data.prompts "
+    "prompts nearer the policy's level (drop those it always or never solves)",
+)
+def _filter_rounds_exhausted(h: History, c: MonitorConfig):
+    values = h.window_of(FILTER_FILL)
+    if values is None:
+        return None
+    short = sum(1 for v in values if v < 1.0) / len(values)
+    if short > c.filter_short_high:
+        return short, (
+            f"{short:.0%} of the last {len(values)} updates ran out of filter rounds with the batch short "
+            f"({mean(values):.0%} full on average; above {c.filter_short_high:g})"
         )
     return None
 

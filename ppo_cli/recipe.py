@@ -267,6 +267,13 @@ class RewardConfig(Section):
     )
     max_response_tokens: int | None = Field(None, gt=0, description="Responses longer than this get overlength_penalty.")
     overlength_penalty: float = Field(0.0, ge=0.0, description="Subtracted when a response passes max_response_tokens.")
+    overlong_buffer: int = Field(
+        0, ge=0,
+        description="DAPO's soft overlong punishment (verl: reward_model.overlong_buffer; TRL: "
+        "get_soft_overlong_punishment): over the last this many tokens before generation.max_new_tokens a penalty "
+        "grows linearly from 0 to overlong_penalty, counting the policy's sampled tokens (reward/overlong). 0: off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="The overlong penalty at generation.max_new_tokens (overlong_buffer > 0).")
 
     @model_validator(mode="after")
     def _overlength_needs_limit(self) -> "RewardConfig":
@@ -399,6 +406,24 @@ class PPOConfig(Section):
         False,
         description="Completions that hit generation.max_new_tokens without their stop token leave the policy loss "
         "(DAPO's overlong filtering; TRL's mask_truncated_completions). They still count in the rewards and advantages.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="Train the policy loss only on the tokens whose entropy is in this top fraction of the "
+        "micro-batch's trained tokens (Wang et al. 2025's forking tokens, e.g. 0.2; TRL's top_entropy_quantile): "
+        "the others' loss is zeroed, the loss's normaliser unchanged. The threshold is logged as "
+        "policy/entropy_threshold. 1.0: every token.",
+    )
+    filter_groups: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (verl: algorithm.filter_groups): drop the groups whose completions all "
+        "scored the same (or lost a reward), which grpo and rloo learn nothing from, and sample more prompts until "
+        "rollout_batch_size groups are kept, at most max_filter_rounds extra rounds; then train on what was kept "
+        "(filter/kept_groups, filter/rounds, filter/generated_episodes). The reward metrics count every generated "
+        "episode. Needs a critic-free ppo.advantage and generation.num_generations >= 2.",
+    )
+    max_filter_rounds: int = Field(
+        3, ge=0, description="filter_groups: extra sampling rounds per update at most (verl: max_num_gen_batches - 1)."
     )
     ppo_epochs: int = Field(4, gt=0, description="Passes over each rollout batch (TRL: num_ppo_epochs).")
     cliprange: float = Field(0.2, gt=0.0, description="Clip range of the policy ratio (TRL: cliprange).")
@@ -554,6 +579,12 @@ class MonitorConfig(Section):
         0.5, ge=0.0, lt=1.0,
         description="generation.num_generations >= 2: warn when the mean fraction of prompt groups whose completions "
         "all score the same (frac_reward_zero_std) is above this; those groups carry no signal for grpo and rloo.",
+    )
+    filter_short_high: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="ppo.filter_groups: warn when more than this fraction of the window's updates ran out of "
+        "ppo.max_filter_rounds before rollout_batch_size groups scored apart (filter/fill below 1): they trained on a "
+        "smaller batch.",
     )
     ratio_tolerance: float = Field(
         0.1, gt=0.0, description="Warn when the policy ratio before the first optimizer step is further than this from 1."
@@ -870,5 +901,38 @@ class Recipe(Section):
                 "has no effect with a LoRA policy: the reference is the policy's base with the adapter disabled",
                 "remove `reference.quantization`, quantize the base with `policy.quantization`, or set `reference.path`",
                 key="reference.quantization",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dapo_options_fit(self) -> "Recipe":
+        """ppo.filter_groups with groups to filter; reward.overlong_buffer within the response length."""
+        ppo = self.ppo
+        if ppo.filter_groups and not ppo.critic_free:
+            raise _rule_error(
+                "drops the groups whose completions all scored the same, and ppo.advantage 'gae' has no groups "
+                "(its critic gives such completions an advantage)",
+                "set `ppo.advantage: grpo` or `rloo` with `generation.num_generations: 4`, or remove `ppo.filter_groups`",
+                key="ppo.filter_groups",
+            )
+        if ppo.filter_groups and self.generation.num_generations < 2:
+            raise _rule_error(
+                "compares the completions of a prompt and needs generation.num_generations >= 2, got 1",
+                "set `generation.num_generations: 4` (or more), or remove `ppo.filter_groups`",
+                key="ppo.filter_groups",
+            )
+        if not ppo.filter_groups and ppo.max_filter_rounds != PPOConfig.model_fields["max_filter_rounds"].default:
+            raise _rule_error(
+                "has no effect without ppo.filter_groups",
+                "set `ppo.filter_groups: true` or remove `ppo.max_filter_rounds`",
+                key="ppo.max_filter_rounds",
+            )
+        buffer, max_new = self.reward.overlong_buffer, self.generation.max_new_tokens
+        if buffer > max_new:
+            raise _rule_error(
+                f"({buffer}) is longer than generation.max_new_tokens ({max_new}): the penalty would start before "
+                "the first token",
+                f"set `reward.overlong_buffer` to at most {max_new} (DAPO: a quarter of max_new_tokens)",
+                key="reward.overlong_buffer",
             )
         return self

@@ -5,6 +5,7 @@ decode bandwidth). Plain floats out, gathered over every process."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -79,7 +80,36 @@ def rollout_metrics(rollout: Rollout, adv: Advantages, kl_coef: float, dist: Dis
     return metrics
 
 
-def reward_component_metrics(rollout: Rollout, dist: Distributed) -> dict[str, float]:
+class ScoredEpisodes(NamedTuple):
+    """What the reward metrics read of the episodes an update generated (ppo.filter_groups: every sampling
+    round's, the dropped groups' too), without their tensors per token. Fields as Rollout's, (E,) each."""
+
+    scores: torch.Tensor
+    score_components: dict[str, list]
+    scored: torch.Tensor | None
+    reward_failures: dict[str, str] | None
+
+
+def generated_reward_metrics(episodes: ScoredEpisodes, non_score_reward: float, dist: Distributed,
+                             group_size: int) -> dict[str, float]:
+    """The reward metrics of rollout_metrics (objective/scores, its std, objective/rlhf_reward, reward_std,
+    frac_reward_zero_std, reward/*) over every generated episode, so that a run which trains on the groups
+    that scored apart still shows its true success rate. ``non_score_reward``: the trained episodes' mean."""
+    scored = episodes.scored if episodes.scored is not None else torch.ones_like(episodes.scores, dtype=torch.bool)
+    scores = dist.gather(episodes.scores)[dist.gather(scored.float()) > 0]
+    mean_score = scores.mean().item() if len(scores) else float("nan")
+    group_std = dist.gather(group_reward_stats(episodes.scores, group_size).group_std)
+    return {
+        names.OBJECTIVE_SCORES: mean_score,
+        names.OBJECTIVE_SCORES_STD: scores.std().item() if len(scores) > 1 else 0.0,
+        names.OBJECTIVE_RLHF_REWARD: non_score_reward + mean_score,
+        names.REWARD_STD: group_std.mean().item(),
+        names.FRAC_REWARD_ZERO_STD: (group_std == 0).float().mean().item(),
+        **reward_component_metrics(episodes, dist),
+    }
+
+
+def reward_component_metrics(rollout: Rollout | ScoredEpisodes, dist: Distributed) -> dict[str, float]:
     """reward/NAME: each component's mean over the episodes it scored; reward/failed_rate/NAME: the
     fraction it failed to score (the components that can fail: functions, servers, judges);
     reward/failed_rate: the episodes without a reward (they left the update)."""
@@ -119,6 +149,8 @@ def update_metrics(stats: UpdateStats, dist: Distributed) -> dict[str, float]:
         metrics[names.VAL_CLIPFRAC_AVG] = dist.mean_of(stats.mean("value_clipfrac"))
     if "kl_loss" in stats.values:  # ppo.kl_penalty loss: the k3 term before kl_coef
         metrics[names.LOSS_KL_AVG] = dist.mean_of(stats.mean("kl_loss"))
+    if "entropy_threshold" in stats.values:  # ppo.top_entropy_quantile < 1: the entropy a trained token had at least
+        metrics[names.POLICY_ENTROPY_THRESHOLD] = dist.mean_of(stats.mean("entropy_threshold"))
     if stats.grad_norms:
         metrics[names.POLICY_GRAD_NORM] = sum(stats.grad_norms) / len(stats.grad_norms)
     return metrics

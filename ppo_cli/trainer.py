@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 from ppo_cli import metric_names as names
 from ppo_cli.algo.aggregation import aggregate_loss
 from ppo_cli.algo.estimators import ESTIMATORS, EstimatorSettings
+from ppo_cli.algo.group import informative_groups
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import kl_penalty
 from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits
 from ppo_cli.algo.masking import mask_truncated_completions, masked_mean
+from ppo_cli.algo.token_selection import high_entropy_mask
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
@@ -39,8 +41,16 @@ from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
 from ppo_cli.recipe import PPOConfig
 from ppo_cli.train_checks import LIKELY_CAUSES, check_rewards, find_non_finite
-from ppo_cli.train_metrics import UpdateStats, perf_metrics, rollout_metrics, update_metrics
+from ppo_cli.train_metrics import (
+    ScoredEpisodes,
+    UpdateStats,
+    generated_reward_metrics,
+    perf_metrics,
+    rollout_metrics,
+    update_metrics,
+)
 from ppo_cli.train_setup import TrainState
+from ppo_cli.rollout_rows import concat_components, concat_rollouts, concat_scored, merge_failures, select_rows
 from ppo_cli.types import Advantages, DeferredOldLogprobs, Rollout
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -68,14 +78,20 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
 
     dist, G = state.dist, recipe.generation.num_generations
     enter_phase("rollout")
-    prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
-    deferred = defer_old_logprobs(recipe.ppo, engine, len(prompts))
+    deferred = defer_old_logprobs(recipe.ppo, engine, recipe.episodes_per_update)
     peaks: dict[str, float] = {}  # CUDA only: the GB each phase held at most, to set against `ppo plan`
+    filtered = None
     with (memory_phase("sampling and scoring the rollout"), phase_peak(dist.device, peaks, "rollout"),
           dist.rollout_parameters(state.model, recipe.train.fsdp_rollout)):
-        rollout = engine.collect_rollout(prompts, old_logprobs=not deferred)
+        if recipe.ppo.filter_groups:
+            rollout, filtered = collect_filtered_rollout(state, deferred)
+        else:
+            prompts = process_prompts(state.sampler, recipe.ppo.rollout_batch_size, dist.rank, dist.world_size, G)
+            rollout = engine.collect_rollout(prompts, old_logprobs=not deferred)
     rollout_seconds = time.perf_counter() - started
-    rollout = check_rewards(rollout, state, G)
+    if filtered is None:  # collect_filtered_rollout checks each round's
+        rollout = check_rewards(rollout, state, G)
+    prompts = rollout.prompts  # the episodes trained on
 
     kl_coef = state.kl_controller.value
     adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
@@ -93,6 +109,9 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
+    if filtered is not None:  # the reward metrics count the dropped groups too
+        metrics.update(generated_reward_metrics(filtered.generated, metrics[names.OBJECTIVE_NON_SCORE_REWARD], dist, G))
+        metrics.update(filtered.metrics)
     if rollout.episodes is not None:  # episodes of several turns (one process: check_environment)
         metrics.update(episode_metrics(rollout.episodes))
     if stats is not None:
@@ -112,7 +131,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     state.episodes += len(prompts)
 
     seconds = time.perf_counter() - started
-    generated_tokens = float(rollout.generation.action_mask.sum())
+    generated_tokens = float(rollout.generation.action_mask.sum()) if filtered is None else filtered.generated_tokens
     metrics.update({
         names.STEP: state.step,
         names.EPISODE: state.episodes * dist.world_size,
@@ -139,6 +158,62 @@ def process_prompts(sampler: PromptSampler, size: int, rank: int, world_size: in
     ``group_size`` times in a row, so a prompt's group is whole on one process: [p0 x G, p1 x G, ...]."""
     prompts = sampler.next_batch(size * world_size)[rank * size : (rank + 1) * size]
     return [prompt for prompt in prompts for _ in range(group_size)]
+
+
+class FilteredRollout(NamedTuple):
+    """What collect_filtered_rollout sampled besides the rollout it keeps."""
+
+    generated: ScoredEpisodes  # every episode of every round on this process, the dropped groups' too
+    generated_tokens: float  # the policy's tokens sampled in every round, this process
+    metrics: dict[str, float]  # filter/*: kept groups, rounds, generated episodes, fill
+
+
+def collect_filtered_rollout(state: TrainState, deferred: bool) -> tuple[Rollout, FilteredRollout]:
+    """ppo.filter_groups (DAPO's dynamic sampling): rounds of ``rollout_batch_size`` prompts x G completions,
+    each through engine.collect_rollout, keeping the groups whose completions scored apart
+    (algo/group.py informative_groups), until every process holds ``rollout_batch_size`` of them or
+    ``max_filter_rounds`` extra rounds have run.
+
+    Every process runs the same rounds (the stop is decided on the gathered counts) and trains on the same
+    number of groups, the fewest any process kept (the optimizer's collectives need equal mini-batches);
+    groups stay whole on their process. When no process kept a group the last round is trained on as it
+    came (its groups' advantages are 0: the update moves only through the KL term). The prompt sampler
+    simply advances one batch per round, so a checkpoint taken after the update resumes exactly.
+    """
+    recipe, engine, dist, G = state.recipe, state.engine, state.dist, state.recipe.generation.num_generations
+    target = recipe.ppo.rollout_batch_size
+    kept, generated, tokens, kept_here = [], [], 0.0, 0
+    for rounds in range(1, recipe.ppo.max_filter_rounds + 2):
+        prompts = process_prompts(state.sampler, target, dist.rank, dist.world_size, G)
+        rollout = check_rewards(engine.collect_rollout(prompts, old_logprobs=not deferred), state, G)
+        generated.append(scored_episodes([rollout]))
+        tokens += float(rollout.generation.action_mask.sum())
+        groups = informative_groups(rollout.scores, G, rollout.scored).nonzero().flatten()[: target - kept_here]
+        if len(groups):
+            rows = (groups.unsqueeze(1) * G + torch.arange(G, device=groups.device)).flatten()
+            kept.append(select_rows(rollout, rows))
+            kept_here += len(groups)
+        counts = dist.gather(torch.tensor([kept_here], device=dist.device))
+        if int(counts.min()) >= target:
+            break
+    trained_groups = int(counts.min())
+    if trained_groups > 0:  # else the last round, as it came
+        rollout = concat_rollouts(kept, engine.pad_token_id)
+        rollout = select_rows(rollout, torch.arange(trained_groups * G, device=rollout.scores.device))
+    everything = scored_episodes(generated)
+    metrics = {
+        names.FILTER_KEPT_GROUPS: trained_groups * dist.world_size,
+        names.FILTER_ROUNDS: rounds,
+        names.FILTER_GENERATED_EPISODES: rounds * target * G * dist.world_size,
+        names.FILTER_FILL: trained_groups / target,
+    }
+    return rollout, FilteredRollout(everything, tokens, metrics)
+
+
+def scored_episodes(parts: list) -> ScoredEpisodes:
+    """The reward part of rollouts (or of ScoredEpisodes), one after another: no per-token tensors kept."""
+    return ScoredEpisodes(torch.cat([p.scores for p in parts]), concat_components(parts), concat_scored(parts),
+                          merge_failures(parts))
 
 
 def defer_old_logprobs(ppo: PPOConfig, engine: Engine, episodes: int) -> bool:
@@ -303,13 +378,20 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
         weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.action_mask[rows, :T],
                                        ppo.rollout_is_clip)
+    with torch.set_grad_enabled(ppo.entropy_coef > 0):
+        token_entropy = entropy_from_logits(logits)  # (M, T)
+    if ppo.top_entropy_quantile < 1.0:  # train on the high-entropy tokens only (TRL's top_entropy_quantile)
+        # Over every process's micro-batch, as TRL; not with micro_batch_tokens, whose micro-batch counts differ.
+        dist = state.dist
+        gather = dist.gather if dist.world_size > 1 and ppo.micro_batch_tokens is None else None
+        weights = select_high_entropy_tokens(token_entropy, loss_mask, ppo.top_entropy_quantile, weights, stats, gather)
     max_len = state.recipe.generation.max_new_tokens
     policy = clipped_policy_loss(logprobs, old_logprobs, adv.advantages[rows, :T], loss_mask,
                                  ppo.cliprange, token_weights=weights, cliprange_high=ppo.cliprange_high,
                                  ratio_level=ppo.ratio_level, loss_agg_mode=ppo.loss_aggregation,
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
-        entropy = masked_mean(entropy_from_logits(logits), mask)
+        entropy = masked_mean(token_entropy, mask)
     if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         loss = policy.loss - ppo.entropy_coef * entropy
     else:
@@ -328,3 +410,16 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         clipfrac_low=policy.clipfrac_low, clipfrac_high=policy.clipfrac_high, entropy=entropy,
     )
     return loss
+
+
+def select_high_entropy_tokens(token_entropy: torch.Tensor, loss_mask: torch.Tensor, top_quantile: float,
+                               weights: torch.Tensor | None, stats: UpdateStats, gather=None) -> torch.Tensor:
+    """The policy loss's token weights (M, T) with the tokens below the micro-batch's entropy threshold zeroed
+    (algo/token_selection.py); the threshold recorded for policy/entropy_threshold. ``gather``: with several
+    processes, Distributed.gather, so that the threshold is taken over every process's micro-batch as TRL
+    does; every process must then call this as many times (equal micro-batches)."""
+    everywhere = (gather(token_entropy.detach()), gather(loss_mask)) if gather is not None else (None, None)
+    selection = high_entropy_mask(token_entropy, loss_mask, top_quantile, *everywhere)
+    stats.add(entropy_threshold=selection.threshold)
+    keep = selection.keep.to(token_entropy.dtype)
+    return keep if weights is None else weights * keep

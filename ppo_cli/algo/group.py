@@ -168,3 +168,25 @@ def group_reward_stats(scores: Tensor, group_size: int) -> GroupRewardStats:
         group_std = torch.where(_constant_groups(groups).squeeze(1), 0, groups.std(dim=1))  # (P,)
         zero_std = _constant_groups(groups).squeeze(1).to(group_std.dtype)
         return GroupRewardStats(group_std, group_std.mean(), zero_std.mean())
+
+
+def informative_groups(scores: Tensor, group_size: int, scored: Optional[Tensor] = None) -> Tensor:
+    """DAPO's dynamic sampling filter (Yu et al. 2025, arXiv:2503.14476, eq. 11; verl's ``algorithm.filter_groups``):
+    the groups whose completions did not all score the same, the only ones grpo and rloo learn from.
+
+    keep_p = [max_g r_{p,g} > min_g r_{p,g}]  and  every completion of group p scored
+
+    Equality is exact (max == min, as ``_constant_groups``), not a std above a tolerance.
+
+    Args:
+        scores: (B,) the reward of each completion, contiguous groups of ``group_size``.
+        group_size: G >= 2.
+        scored: optional (B,) bool, False where the reward failed for a completion (its group teaches nothing).
+
+    Returns:
+        (P,) bool, True for a group to keep.
+    """
+    keep = ~_constant_groups(grouped(scores, group_size)).squeeze(1)
+    if scored is not None:
+        keep = keep & scored.view(-1, group_size).all(dim=1)
+    return keep

@@ -33,6 +33,7 @@ class PlanResult:
     suggestions: list[Suggestion] = field(default_factory=list)
     prompt_note: str = ""
     precision: str = ""  # how train.mixed_precision resolves (PrecisionChoice.describe)
+    filter_note: str = ""  # ppo.filter_groups: the extra rounds' time and memory (filter_rounds_note)
 
     @property
     def fits(self) -> bool | None:
@@ -54,6 +55,19 @@ def prompt_tokens(recipe: Recipe, limit: int = 2000) -> tuple[int, str]:
         return min(longest, maximum), f"longest of {len(prompts)} prompts, max_prompt_tokens {maximum}"
     except Exception:  # noqa: BLE001 - the bound is a safe fallback
         return maximum, "data.max_prompt_tokens (prompts not read)"
+
+
+def filter_rounds_note(recipe: Recipe) -> str:
+    """ppo.filter_groups' extra sampling rounds: time, up to 1 + max_filter_rounds rollouts per update; memory,
+    none beyond one rollout's (each round's rollout is let go once its kept groups are copied out, and at most
+    rollout_batch_size groups are kept). Empty without filter_groups."""
+    ppo = recipe.ppo
+    if not ppo.filter_groups:
+        return ""
+    rounds = 1 + ppo.max_filter_rounds
+    return (f"ppo.filter_groups: 1 to {rounds} rollouts per update (at most {rounds} x {recipe.episodes_per_update} "
+            f"episodes sampled and scored, {rounds} x the rollout's time); memory as one rollout: a round is let go "
+            "once its kept groups are copied, and at most rollout_batch_size groups are kept")
 
 
 def check_sharding(processes: int, sharding: str) -> None:
@@ -92,7 +106,7 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     settings = dataclasses.replace(settings, mixed_precision=precision.value, processes=processes, sharding=sharding)
     shapes = model_shapes(recipe)
     result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note,
-                        precision=precision.describe())
+                        precision=precision.describe(), filter_note=filter_rounds_note(recipe))
     if budget is not None and not result.fits:
         result.suggestions = suggestions(settings, shapes, budget)
     return result
@@ -138,6 +152,7 @@ def render(result: PlanResult):
         Text(f"micro-batch {s.micro_batch} x ({s.prompt_tokens} prompt tokens [{result.prompt_note}] + "
              f"{s.response_tokens} response tokens); rollout batch {s.rollout_batch}"),
         *([Text(result.precision)] if result.precision else []),
+        *([Text(result.filter_note)] if result.filter_note else []),
         Text(f"peak = static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, rollout {est.rollout_gb:.2f}) "
              f"= {est.total_gb:.2f} GB", style="bold"),
     ]

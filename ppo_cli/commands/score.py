@@ -31,8 +31,8 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
     needed = {"prompt": (str, list), "response": str}
     if recipe.reward.missing_eos_penalty is not None:
         needed["finished"] = bool  # reward.missing_eos_penalty reads it
-    if recipe.reward.max_response_tokens is not None:
-        needed["response_tokens"] = int  # reward.max_response_tokens reads it
+    if recipe.reward.max_response_tokens is not None or recipe.reward.overlong_buffer > 0:
+        needed["response_tokens"] = int  # reward.max_response_tokens and reward.overlong_buffer read it
     rows = []
     hint = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
     for lineno, row in read_jsonl_objects(path, "rollouts file", hint):

@@ -114,7 +114,7 @@ class Engine:
         known = {shared.component: shared.scores} if shared is not None else None
         return self.reward.score(
             prompts, responses, generation.finished.tolist(), generation.response_lengths.tolist(), known,
-            pending=pending,
+            pending=pending, action_lengths=generation.action_mask.sum(dim=1).tolist(),
         )
 
     def shared_reward_forward(self, prompts: list, responses: list[str], generation: Generation) -> SharedForward | None:
@@ -376,7 +376,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe)
-    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data))
+    reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data),
+                         max_new_tokens=recipe.generation.max_new_tokens)
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     actor_critic = build_actor_critic(recipe, device, reward_models)
     if device.type == "cpu":

@@ -70,7 +70,8 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
     quiet_libraries()
 
     stack = RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
-                        columns if columns is not None else lambda: recipe_prompt_columns(recipe.data))
+                        columns if columns is not None else lambda: recipe_prompt_columns(recipe.data),
+                        max_new_tokens=recipe.generation.max_new_tokens)
     if columns is not None:  # an episode's transcript is a column too, with an environment
         stack.check_columns(columns.names | ({"messages"} if recipe.environment is not None else set()),
                             source or "the prompts")

@@ -213,3 +213,26 @@ def k3(logprobs, ref_logprobs):
         diff = ref_logprobs[index] - logprobs[index]
         out[index] = math.exp(diff) - diff - 1
     return out
+
+
+def soft_overlong_punishment(length, max_length, buffer, penalty):
+    """DAPO's overlong reward, written as TRL's get_soft_overlong_punishment (three cases) times penalty."""
+    if length <= max_length - buffer:
+        return 0.0
+    if length <= max_length:
+        return penalty * (max_length - buffer - length) / buffer
+    return -penalty
+
+
+def high_entropy_mask(entropy, mask, top_quantile):
+    """TRL's get_high_entropy_mask on one process: the masked entropies' (1 - q) quantile (linear), then >=."""
+    values = sorted(float(entropy[i][t]) for i in range(len(mask)) for t in range(len(mask[i])) if mask[i][t])
+    if not values:
+        return [[False] * len(row) for row in mask], 0.0
+    position = (1.0 - top_quantile) * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    threshold = values[low] + (position - low) * (values[high] - values[low])
+    keep = [[bool(mask[i][t]) and float(entropy[i][t]) >= threshold for t in range(len(mask[i]))]
+            for i in range(len(mask))]
+    return keep, threshold

@@ -98,3 +98,15 @@ def test_group_functions_do_not_mutate_scores():
     rloo_advantages(scores, 4)
     group_reward_stats(scores, 4)
     assert torch.equal(scores, SCORES)
+
+
+def test_informative_groups_keep_the_groups_that_scored_apart():
+    from ppo_cli.algo.group import informative_groups
+
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.3, 0.3, 0.3 + 1e-7, 5.0, 5.0, 5.0])
+    # groups of 3: all 1 / 0,1,0 / 0.3,0.3,0.3+1e-7 (apart, however little) / all 5
+    assert informative_groups(scores, 3).tolist() == [False, True, True, False]
+    scored = torch.tensor([True] * 3 + [True, False, True] + [True] * 6)
+    assert informative_groups(scores, 3, scored).tolist() == [False, False, True, False]  # a lost reward: dropped
+    # equal floats whose mean is not themselves (3 x 0.1 / 3 != 0.1) are still one score
+    assert informative_groups(torch.tensor([0.1, 0.1, 0.1]), 3).tolist() == [False]

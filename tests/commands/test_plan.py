@@ -414,3 +414,16 @@ def test_an_environment_plans_max_episode_tokens_after_the_prompt(tmp_path):
                          ["ppo.micro_batch_tokens=832", f"environment={env}", "ppo.mini_batch_size=8",
                           "ppo.micro_batch_size=8"])
     assert settings_from_recipe(tokens, "cpu", prompt_len=8).micro_batch == 4  # 832 // (8 + 200)
+
+
+def test_plan_notes_the_filter_rounds(tmp_path):
+    from ppo_cli.commands.plan import filter_rounds_note
+    from ppo_cli.recipe_loading import load_recipe
+
+    path = ROOT / "recipes" / "tiny_grpo.yaml"
+    assert filter_rounds_note(load_recipe(path, tiny_overrides(tmp_path, tmp_path))) == ""
+    recipe = load_recipe(path, tiny_overrides(tmp_path, tmp_path, **{"ppo.filter_groups": "true", "ppo.max_filter_rounds": 2}))
+    assert filter_rounds_note(recipe) == (
+        "ppo.filter_groups: 1 to 3 rollouts per update (at most 3 x 64 episodes sampled and scored, 3 x the "
+        "rollout's time); memory as one rollout: a round is let go once its kept groups are copied, and at most "
+        "rollout_batch_size groups are kept")

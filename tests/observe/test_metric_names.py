@@ -107,6 +107,8 @@ def _one_update(recipe_name: str, overrides: list[str]):
 @pytest.mark.parametrize("recipe_name, extra", [
     ("tiny_sentiment.yaml", {}),  # a critic: val/*, loss/value_avg, value_lr
     ("tiny_grpo.yaml", {"generation.num_generations": 2, "ppo.mini_batch_size": 4}),  # groups, loss/kl_avg
+    ("tiny_grpo.yaml", {"generation.num_generations": 2, "ppo.mini_batch_size": 4, "ppo.filter_groups": "true",
+                        "ppo.top_entropy_quantile": 0.5, "reward.overlong_buffer": 4}),  # filter/*, entropy threshold
 ])
 def test_every_name_a_training_update_writes_is_declared(tiny_models, tmp_path, recipe_name, extra):
     from tests.conftest import tiny_overrides

@@ -69,6 +69,7 @@ RULE_CASES = {
     "eos_stuck": ({"eos_rate": lambda s: 0.0}, 10),
     "ratio_mismatch": ({"val__ratio_first_minibatch": lambda s: 0.7 + jitter(s)}, 3),
     "groups_without_signal": ({"frac_reward_zero_std": lambda s: 0.75 + jitter(s, 0.1)}, 10),
+    "filter_rounds_exhausted": ({"filter__fill": lambda s: 1.0 if s % 3 == 0 else 0.5}, 10),
     "reward_failures": ({"reward__failed_rate": lambda s: 0.2}, 1),
     "episodes_cut_by_budget": ({"env__ended_by__max_episode_tokens": lambda s: 0.8 + jitter(s, 0.1)}, 10),
 }
@@ -222,3 +223,15 @@ def test_reward_failures_warn_at_the_first_update_with_a_failed_reward():
     (warning,) = [w for w in monitor.observe({"reward/failed_rate": 0.25}, 2) if w.rule == "reward_failures"]
     assert warning.message == "25% of the completions got no reward at the last update (above 0)"
     assert HealthMonitor(MonitorConfig(reward_failed_high=0.3)).observe({"reward/failed_rate": 0.25}, 1) == []
+
+
+def test_filter_rounds_exhausted_counts_the_short_updates():
+    config = MonitorConfig(window=4)
+    # 2 of 4 updates short: at the threshold 0.5, quiet; 3 of 4: fires, with the numbers
+    _, raised = run_stream(4, config, filter__fill=lambda s: 1.0 if s % 2 else 0.25)
+    assert [w.rule for w in raised] == []
+    _, raised = run_stream(4, config, filter__fill=lambda s: 1.0 if s == 1 else 0.5)
+    [warning] = [w for w in raised if w.rule == "filter_rounds_exhausted"]
+    assert warning.value == 0.75
+    assert warning.message == ("75% of the last 4 updates ran out of filter rounds with the batch short "
+                               "(62% full on average; above 0.5)")

@@ -87,3 +87,37 @@ def test_a_resolved_critic_free_recipe_reads_back_equal(tmp_path):
     """The run's recipe.yaml writes every default (value.init_from, ppo.vf_coef, ...): it must load again."""
     recipe = load_recipe(write(tmp_path, BASE), [*GRPO, "ppo.scale_rewards=none"])
     assert load_recipe(write(tmp_path, dump_resolved(recipe), "resolved.yaml")) == recipe
+
+
+def test_overlong_buffer_longer_than_the_responses_is_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    err = error(path, ["reward.overlong_buffer=40", "generation.max_new_tokens=32"])
+    assert err.message == ("--set reward.overlong_buffer: (40) is longer than generation.max_new_tokens (32): the "
+                           "penalty would start before the first token")
+    assert err.hint == "set `reward.overlong_buffer` to at most 32 (DAPO: a quarter of max_new_tokens)"
+    assert load_recipe(path, ["reward.overlong_buffer=8", "generation.max_new_tokens=32"]).reward.overlong_buffer == 8
+
+
+def test_filter_groups_is_refused_without_groups(tmp_path):
+    path = write(tmp_path, BASE)
+    err = error(path, ["ppo.filter_groups=true"])
+    assert err.message == ("--set ppo.filter_groups: drops the groups whose completions all scored the same, and "
+                           "ppo.advantage 'gae' has no groups (its critic gives such completions an advantage)")
+    assert err.hint == "set `ppo.advantage: grpo` or `rloo` with `generation.num_generations: 4`, or remove `ppo.filter_groups`"
+    err = error(path, ["ppo.filter_groups=true", "ppo.advantage=reinforce_pp"])
+    assert err.message == ("--set ppo.filter_groups: compares the completions of a prompt and needs "
+                           "generation.num_generations >= 2, got 1")
+    assert err.hint == "set `generation.num_generations: 4` (or more), or remove `ppo.filter_groups`"
+    err = error(path, [*GRPO, "ppo.max_filter_rounds=5"])
+    assert err.message == "--set ppo.max_filter_rounds: has no effect without ppo.filter_groups"
+    for advantage in ("grpo", "rloo", "reinforce_pp"):
+        recipe = load_recipe(path, [f"ppo.advantage={advantage}", "generation.num_generations=4", "ppo.filter_groups=true",
+                                    "ppo.max_filter_rounds=5"])
+        assert recipe.ppo.filter_groups and recipe.ppo.max_filter_rounds == 5
+
+
+def test_top_entropy_quantile_is_a_fraction(tmp_path):
+    path = write(tmp_path, BASE)
+    assert load_recipe(path, ["ppo.top_entropy_quantile=0.2"]).ppo.top_entropy_quantile == 0.2
+    assert "ppo.top_entropy_quantile" in error(path, ["ppo.top_entropy_quantile=0"]).message
+    assert "ppo.top_entropy_quantile" in error(path, ["ppo.top_entropy_quantile=1.5"]).message

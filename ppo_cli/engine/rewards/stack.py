@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from ppo_cli.algo.shaping import soft_overlong_penalty
 from ppo_cli.engine.data import PromptColumns
 from ppo_cli.engine.rewards.remote import RemoteScorer
 from ppo_cli.engine.rewards.stream import RewardStream
@@ -25,6 +26,9 @@ from ppo_cli.recipe import RewardConfig
 
 if TYPE_CHECKING:
     import torch
+
+# The overlong penalty's component name (metrics: reward/overlong, metric_names.REWARD_OVERLONG).
+OVERLONG = "overlong"
 
 
 def _component_name(component, index: int, taken: set[str]) -> str:
@@ -50,11 +54,16 @@ class RewardStack:
     """The recipe's reward: components summed with their weights, then the penalties."""
 
     def __init__(self, config: RewardConfig, device: torch.device, system_prompt: str | None = None,
-                 columns: PromptColumns | Callable[[], PromptColumns] | None = None):
+                 columns: PromptColumns | Callable[[], PromptColumns] | None = None,
+                 max_new_tokens: int | None = None):
         """``system_prompt``: the recipe's data.system_prompt, part of the conversation a
         ``text: conversation`` component reads. ``columns``: the prompts' other dataset columns, or
-        what reads them (called the first time a component asks)."""
+        what reads them (called the first time a component asks). ``max_new_tokens``:
+        generation.max_new_tokens, where the overlong penalty (reward.overlong_buffer) is full."""
+        if config.overlong_buffer > 0 and max_new_tokens is None:
+            raise ValueError("reward.overlong_buffer needs generation.max_new_tokens")
         self.config = config
+        self.max_new_tokens = max_new_tokens
         self._columns = columns
         taken: set[str] = set()
         self.scorers = []
@@ -117,10 +126,12 @@ class RewardStack:
 
     def score(self, prompts: list, responses: list[str], finished: list[bool], response_lengths: list[int],
               known: dict[int, list] | None = None, columns: dict[str, list] | None = None,
-              pending: "PendingScores | None" = None) -> ScoreResult:
+              pending: "PendingScores | None" = None, action_lengths: list[int] | None = None) -> ScoreResult:
         """``known``: component index -> (B,) values already computed (engine/rewards/shared.py), None
         for the rows that component still scores. ``columns``: the prompts' other columns, when the
-        caller has them (else looked up by prompt). ``pending``: what start() sent for these rows."""
+        caller has them (else looked up by prompt). ``pending``: what start() sent for these rows.
+        ``action_lengths``: (B,) the policy's sampled tokens of each episode (an environment's tokens
+        inside it excluded), what the overlong penalty counts; default ``response_lengths``."""
         pending = pending if pending is not None else self.start(prompts, responses, columns)
         values = self._component_values(prompts, responses, known or {}, pending)
         totals: list = [0.0] * len(responses)
@@ -139,6 +150,12 @@ class RewardStack:
             limit, amount = self.config.max_response_tokens, self.config.overlength_penalty
             penalty = [-amount if n > limit else 0.0 for n in response_lengths]
             components["overlength_penalty"] = penalty
+            totals = [None if t is None else t + p for t, p in zip(totals, penalty)]
+        if self.config.overlong_buffer > 0:
+            lengths = response_lengths if action_lengths is None else action_lengths
+            penalty = [soft_overlong_penalty(n, self.max_new_tokens, self.config.overlong_buffer,
+                                             self.config.overlong_penalty) for n in lengths]
+            components[OVERLONG] = penalty
             totals = [None if t is None else t + p for t, p in zip(totals, penalty)]
         return ScoreResult(totals, components, failures)
 

@@ -63,6 +63,30 @@ def test_function_reward_from_file_with_weights_and_penalties(tmp_path):
     }
 
 
+def test_overlong_penalty_counts_the_policys_tokens(tmp_path):
+    path = _write(tmp_path, """
+        def one(prompts, responses):
+            return [1.0 for _ in responses]
+    """)
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:one"}], overlong_buffer=4,
+                          overlong_penalty=2.0)
+    stack = RewardStack(config, torch.device("cpu"), max_new_tokens=10)
+    result = stack.score(["p"] * 4, ["a", "b", "c", "d"], finished=[True] * 4, response_lengths=[6, 7, 9, 10])
+    # free up to 10 - 4 = 6 tokens, then -2/4 = -0.5 per token: 0, -0.5, -1.5, -2.0
+    assert result.components["overlong"] == [0.0, -0.5, -1.5, -2.0]
+    assert result.scores == [1.0, 0.5, -0.5, -1.0]
+    # in an episode with several turns the environment's tokens are in response_lengths, not in action_lengths
+    result = stack.score(["p"], ["a"], finished=[True], response_lengths=[10], action_lengths=[7])
+    assert result.components["overlong"] == [-0.5]
+
+
+def test_overlong_component_is_the_metric_name():
+    from ppo_cli import metric_names
+    from ppo_cli.engine.rewards.stack import OVERLONG
+
+    assert metric_names.reward_component(OVERLONG) == metric_names.REWARD_OVERLONG
+
+
 def test_function_reward_from_module_path():
     fn = load_reward_function("ppo_cli.examples.rewards:positive_words")
     assert fn(["x", "x"], ["great and wonderful", "terrible"]) == [2.0, -1.0]
