@@ -27,12 +27,11 @@ from ppo_cli.algo.aggregation import aggregate_loss
 from ppo_cli.algo.estimators import ESTIMATORS, EstimatorSettings
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import kl_penalty
-from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits
+from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss
 from ppo_cli.algo.masking import mask_truncated_completions, masked_mean
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
-from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.engine import Engine
 from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
@@ -287,10 +286,11 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     fixed = rollout.fixed_value_features
     # The rollout's autocast, explicitly: accelerate autocasts a prepared model's forward under DDP but
     # not under FSDP2, whose update would then compute in float32 and the first ratio would not be 1.
+    # Log-probs and entropies come a chunk of positions at a time (engine/logprobs.py): no (B, T, V) logits.
     with state.engine.autocast():
-        logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
-                                     None if fixed is None else fixed[rows, :T])
-    logprobs = selective_log_softmax(logits, response_ids)
+        logprobs, entropies, values = state.model(sequences, attention_mask, response_ids, state.recipe.generation.temperature,
+                                                  None if fixed is None else fixed[rows, :T],
+                                                  entropy="grad" if ppo.entropy_coef > 0 else "value")
     if isinstance(rollout.logprobs, DeferredOldLogprobs):  # the policy has not moved since the rollout: these are the old ones
         old_logprobs = rollout.logprobs.take(rows, logprobs, gen.action_mask[rows, :T])
     else:
@@ -306,7 +306,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
                                  ratio_level=ppo.ratio_level, loss_agg_mode=ppo.loss_aggregation,
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
-        entropy = masked_mean(entropy_from_logits(logits), mask)
+        entropy = masked_mean(entropies, mask)
     if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         loss = policy.loss - ppo.entropy_coef * entropy
     else:

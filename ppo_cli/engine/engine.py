@@ -25,7 +25,6 @@ from ppo_cli.engine.actor_critic import (
     value_forward,
     values_from_hidden,
 )
-from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.malloc import keep_freed_memory
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
@@ -179,8 +178,8 @@ class Engine:
         ac = self.actor_critic
         if sampled is None:
             with self.autocast():
-                logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
-            return selective_log_softmax(logits, response_ids), head_values
+                logprobs, _, head_values = policy_forward(ac, sequences, attention_mask, response_ids, self.temperature)
+            return logprobs, head_values
         if not ac.value_reads_policy_hidden:
             return sampled.logprobs[rows], None
         if sampled.hidden is None:  # a sampler that kept no hidden states: the head's own forward
