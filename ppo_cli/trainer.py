@@ -91,6 +91,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
+    if not recipe.ppo.uses_reference:  # no reference forward ran: the KL was not measured (not 0, which kl_zero reads)
+        metrics[names.OBJECTIVE_KL] = float("nan")
     if stats is not None:
         metrics.update(update_metrics(stats, dist))
     metrics[names.SKIPPED] = int(skip_reason is not None)
@@ -164,7 +166,8 @@ def fill_in_old_logprobs(state: TrainState, rollout: Rollout) -> Rollout:
         return rollout._replace(logprobs=deferred.logprobs)
     recipe = state.recipe
     with state.dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
-        logprobs = state.engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size)[0]
+        logprobs = state.engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size,
+                                                             reference=False)[0]
     return rollout._replace(logprobs=logprobs)
 
 
@@ -179,7 +182,8 @@ def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_
     ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
     Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
     count in no whitening statistic."""
-    if isinstance(rollout.logprobs, DeferredOldLogprobs):  # left to the update: the KL is in the loss, nothing here reads it
+    if isinstance(rollout.logprobs, DeferredOldLogprobs) or not ppo.uses_reference:
+        # left to the update (the KL is in the loss, nothing here reads it), or no reference forward ran
         kl = torch.zeros_like(rollout.ref_logprobs)
     else:
         kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.action_mask, 0.0)
@@ -313,7 +317,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
         loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
         stats.add(value_loss=value.loss, value_clipfrac=value.clipfrac)
-    if ppo.kl_in_loss:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
+    if ppo.kl_in_loss and ppo.uses_reference:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
         # Padding zeroed before the exp: exp(ref - logprob) of a padding token can overflow, and its
         # inf would reach the gradient as 0 * inf = NaN through a where() after it.
         ref_kl = kl_penalty(torch.where(loss_mask, logprobs, 0), torch.where(loss_mask, rollout.ref_logprobs[rows, :T], 0), "k3")
