@@ -148,8 +148,10 @@ HEAD_STEPS: dict[str, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tenso
 def logprob_path(model: nn.Module) -> str:
     """"chunked" where the model's step after its LM head is reproduced here, else "model logits"."""
     lm = unwrap_causal_lm(model)
-    known = type(lm).__name__ in HEAD_STEPS and _accepts_logits_to_keep(type(lm))
-    return "chunked" if known and lm.get_output_embeddings() is not None else "model logits"
+    cls = type(lm)
+    # transformers' own class, not remote code that reuses its name
+    known = cls.__name__ in HEAD_STEPS and cls.__module__.startswith("transformers.models.")
+    return "chunked" if known and _accepts_logits_to_keep(cls) and lm.get_output_embeddings() is not None else "model logits"
 
 
 def response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

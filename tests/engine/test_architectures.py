@@ -352,7 +352,9 @@ def test_a_model_class_whose_forward_was_not_read_takes_its_own_logits(architect
     class RemoteCodeLlama(LlamaForCausalLM):  # a name HEAD_STEPS does not know: its forward could do anything
         pass
 
-    assert logprob_path(RemoteCodeLlama.from_pretrained(architecture_models / "llama", dtype=torch.float32)) == "model logits"
+    same_name = type("LlamaForCausalLM", (LlamaForCausalLM,), {})  # remote code reusing a known name
+    for cls in (RemoteCodeLlama, same_name):
+        assert logprob_path(cls.from_pretrained(architecture_models / "llama", dtype=torch.float32)) == "model logits"
 
 
 def _logprobs_entropies_and_gradients(model, compute):
