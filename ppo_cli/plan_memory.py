@@ -14,7 +14,9 @@ The rest is arithmetic on the recipe:
                  Llama/Qwen-style decoders with SDPA attention (benchmarks/bench_vs_trl.py plan-check):
                  10 H + 4 I when the weights train, 8 H + 4 I + 7 r with a frozen LoRA base, plus the
                  logits of the response positions (four float32 copies: the logits and the gradients
-                 through the log-softmax; seven with an entropy bonus); a half-precision base under
+                 through the log-softmax; seven with an entropy bonus) of one chunk of positions
+                 (engine/logprobs.py: LOGITS_PER_CHUNK // V positions), or of the whole micro-batch
+                 for a class whose log-probs take its own logits (logprob_path); a half-precision base under
                  float32 LoRA adapters adds peft's float32 copy of each adapted layer's input
                  (both measured on an H200: benchmarks/gpu_check.py);
                  with train.mixed_precision bf16/fp16 activations take 2 B a value, and
@@ -71,6 +73,9 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    # causal LMs: positions per chunk of the chunked log-probs (engine/logprobs.py); None: the model's
+    # own logits, whole (a class not in HEAD_STEPS, or not a causal LM)
+    logits_chunk: int | None = None
 
     @property
     def linear_params(self) -> int:
@@ -132,6 +137,12 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     backbone = model.base_model if kind != "backbone" else model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
+    logits_chunk = None
+    if kind == "causal_lm":
+        from ppo_cli.engine.logprobs import LOGITS_PER_CHUNK, logprob_path
+
+        if logprob_path(model) == "chunked":
+            logits_chunk = max(1, LOGITS_PER_CHUNK // model.get_output_embeddings().weight.shape[0])
     return ModelShape(
         path=path,
         total_params=sum(p.numel() for p in model.parameters()),
@@ -143,6 +154,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        logits_chunk=logits_chunk,
     )
 
 
@@ -275,11 +287,13 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     update += critic.update
     # Alive at the backward's peak: the float32 logits and three gradients through the log-softmax; an
     # entropy bonus adds its softmax and three more gradients (the allocator's history of a 1.5B update
-    # on an H200: 4 copies without, 7 with; the graph, so the count, is the same on a CPU).
+    # on an H200: 4 copies without, 7 with; the graph, so the count, is the same on a CPU). Chunked
+    # (engine/logprobs.py), of one chunk's positions: the backward recomputes a chunk at a time.
     copies = 7 if s.entropy_bonus else 4
-    logits = copies * B * T * policy.vocab * 4
+    rows, rows_how = logits_rows(policy, B, T)
+    logits = copies * rows * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
-                       f"{copies} x {B} x {T} response tokens x {policy.vocab} vocab x 4 B", "update"))
+                       f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
@@ -294,7 +308,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     # the KV cache keeps the weights' dtype.
     kvb = b[s.dtype]
     kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * kvb
-    work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * B * T * policy.vocab * 4
+    work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * rows * policy.vocab * 4
     for shape, (dtype, _, batch) in zip(rewards, s.rewards):
         work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
     rollout = [
@@ -307,6 +321,17 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                    "runtime")
     lines, update, rollout = shard(s, policy, lines, update, rollout)
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+def logits_rows(policy: ModelShape, micro_batch: int, response_tokens: int) -> tuple[int, str]:
+    """Positions whose float32 logits live at once in a forward (and its backward), and how that was
+    counted: one chunk of the micro-batch's response positions (chunked log-probs), else all of them."""
+    positions = micro_batch * response_tokens
+    if policy.logits_chunk is None:
+        return positions, f"{micro_batch} x {response_tokens} response tokens"
+    if policy.logits_chunk >= positions:
+        return positions, f"{micro_batch} x {response_tokens} response tokens (one chunk)"
+    return policy.logits_chunk, f"{policy.logits_chunk} positions (a chunk of {micro_batch} x {response_tokens})"
 
 
 # What each sharding splits across the processes, by (role, part); the rest stays whole on every process.

@@ -466,6 +466,12 @@ class PPOConfig(Section):
         return self.kl_penalty == "loss" or (self.kl_penalty == "auto" and self.advantage == "grpo")
 
     @property
+    def uses_reference(self) -> bool:
+        """Does training read the reference's log-probs? Not with kl_coef 0 and no adaptive_kl: the KL
+        weighs nothing and never will (TRL's beta 0), so the reference forward is skipped."""
+        return self.kl_coef > 0 or self.adaptive_kl is not None
+
+    @property
     def grad_accum_steps(self) -> int:
         """Micro-batches accumulated into one optimizer step."""
         return self.mini_batch_size // self.micro_batch_size

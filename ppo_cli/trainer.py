@@ -28,13 +28,12 @@ from ppo_cli.algo.estimators import ESTIMATORS, EstimatorSettings
 from ppo_cli.algo.group import informative_groups
 from ppo_cli.algo.importance import truncated_is_weights
 from ppo_cli.algo.kl import kl_penalty
-from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits
+from ppo_cli.algo.losses import clipped_policy_loss, clipped_value_loss
 from ppo_cli.algo.masking import mask_truncated_completions, masked_mean
 from ppo_cli.algo.token_selection import high_entropy_mask
 from ppo_cli.collectives import enter as enter_phase
 from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
-from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.envs.metrics import episode_metrics
 from ppo_cli.engine.engine import Engine
 from ppo_cli.memory_peaks import phase_peak
@@ -109,6 +108,8 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
         adv = compute_advantages(rollout, kl_coef, recipe.ppo, dist.reduce_sum if dist.world_size > 1 else None, G)
 
     metrics = rollout_metrics(rollout, adv, kl_coef, dist, G, critic_trains=engine.actor_critic.critic.trains)
+    if not recipe.ppo.uses_reference:  # no reference forward ran: the KL was not measured (not 0, which kl_zero reads)
+        metrics[names.OBJECTIVE_KL] = float("nan")
     if filtered is not None:  # the reward metrics count the dropped groups too
         metrics.update(generated_reward_metrics(filtered.generated, metrics[names.OBJECTIVE_NON_SCORE_REWARD], dist, G))
         metrics.update(filtered.metrics)
@@ -243,7 +244,8 @@ def fill_in_old_logprobs(state: TrainState, rollout: Rollout) -> Rollout:
         return rollout._replace(logprobs=deferred.logprobs)
     recipe = state.recipe
     with state.dist.rollout_parameters(state.model, recipe.train.fsdp_rollout):
-        logprobs = state.engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size)[0]
+        logprobs = state.engine.evaluate_logprobs_and_values(rollout.generation, recipe.ppo.micro_batch_size,
+                                                             reference=False)[0]
     return rollout._replace(logprobs=logprobs)
 
 
@@ -258,7 +260,8 @@ def compute_advantages(rollout: Rollout, kl_coef: float, ppo: PPOConfig, reduce_
     ``group_size``: completions per prompt, contiguous in the rollout (generation.num_generations).
     Episodes without a reward (rollout.scored False) take no part: their advantages are 0 and they
     count in no whitening statistic."""
-    if isinstance(rollout.logprobs, DeferredOldLogprobs):  # left to the update: the KL is in the loss, nothing here reads it
+    if isinstance(rollout.logprobs, DeferredOldLogprobs) or not ppo.uses_reference:
+        # left to the update (the KL is in the loss, nothing here reads it), or no reference forward ran
         kl = torch.zeros_like(rollout.ref_logprobs)
     else:
         kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator).masked_fill(~rollout.generation.action_mask, 0.0)
@@ -365,10 +368,11 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     fixed = rollout.fixed_value_features
     # The rollout's autocast, explicitly: accelerate autocasts a prepared model's forward under DDP but
     # not under FSDP2, whose update would then compute in float32 and the first ratio would not be 1.
+    # Log-probs and entropies come a chunk of positions at a time (engine/logprobs.py): no (B, T, V) logits.
     with state.engine.autocast():
-        logits, values = state.model(sequences, attention_mask, T, state.recipe.generation.temperature,
-                                     None if fixed is None else fixed[rows, :T])
-    logprobs = selective_log_softmax(logits, response_ids)
+        logprobs, entropies, values = state.model(sequences, attention_mask, response_ids, state.recipe.generation.temperature,
+                                                  None if fixed is None else fixed[rows, :T],
+                                                  entropy="grad" if ppo.entropy_coef > 0 else "value")
     if isinstance(rollout.logprobs, DeferredOldLogprobs):  # the policy has not moved since the rollout: these are the old ones
         old_logprobs = rollout.logprobs.take(rows, logprobs, gen.action_mask[rows, :T])
     else:
@@ -378,8 +382,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
         weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.action_mask[rows, :T],
                                        ppo.rollout_is_clip)
-    with torch.set_grad_enabled(ppo.entropy_coef > 0):
-        token_entropy = entropy_from_logits(logits)  # (M, T)
+    token_entropy = entropies  # (M, T), with a gradient only under an entropy bonus
     if ppo.top_entropy_quantile < 1.0:  # train on the high-entropy tokens only (TRL's top_entropy_quantile)
         # Over every process's micro-batch, as TRL; not with micro_batch_tokens, whose micro-batch counts differ.
         dist = state.dist
@@ -398,7 +401,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
         loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
         stats.add(value_loss=value.loss, value_clipfrac=value.clipfrac)
-    if ppo.kl_in_loss:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
+    if ppo.kl_in_loss and ppo.uses_reference:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
         # Padding zeroed before the exp: exp(ref - logprob) of a padding token can overflow, and its
         # inf would reach the gradient as 0 * inf = NaN through a where() after it.
         ref_kl = kl_penalty(torch.where(loss_mask, logprobs, 0), torch.where(loss_mask, rollout.ref_logprobs[rows, :T], 0), "k3")

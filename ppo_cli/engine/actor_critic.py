@@ -2,8 +2,8 @@
 
 ``build_actor_critic`` loads the roles as the recipe describes (engine/models.py loads each model,
 engine/critics.py builds the value.kind's network); ``policy_forward`` / ``value_forward`` /
-``PolicyAndValue`` give the rollout's and the update's logits and values (the per-token log-prob
-forward itself is engine/logprobs.py).
+``PolicyAndValue`` give the rollout's and the update's log-probs, entropies and values (the per-token
+log-prob forward itself, in chunks of positions, is engine/logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from ppo_cli.auto import same_tokenizer, value_kind, value_model_path
 from ppo_cli.engine.critics import CRITICS, Critic, values_from_hidden
-from ppo_cli.engine.logprobs import causal_lm_forward, selective_log_softmax
+from ppo_cli.engine.logprobs import response_hidden, response_logprobs
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
     freeze,
@@ -174,23 +174,28 @@ def check_value_model_tokenizer(recipe: Recipe) -> None:
         )
 
 
-def policy_forward(ac: ActorCritic, sequences, attention_mask, response_len: int, temperature: float):
-    """(logits (B, T, V), values (B, T) or None): values come free when the critic reads the policy's states."""
+def policy_forward(ac: ActorCritic, sequences, attention_mask, response_ids, temperature: float, entropy: str = "none"):
+    """(log-probs (B, T), entropies (B, T), values (B, T) or None) of the response tokens (B, T) at the end of
+    ``sequences``: values come free when the critic reads the policy's states. ``entropy``: "none"
+    (zeros), "value", "grad" (engine/logprobs.py's chunked_logprobs); no (B, T, V) logits are returned."""
     ac.use_adapter(POLICY_ADAPTER)
     with_head = ac.value_reads_policy_hidden
-    logits, hidden = causal_lm_forward(ac.policy, sequences, attention_mask, response_len, temperature, keep_hidden=with_head)
+    logprobs, entropies, hidden = response_logprobs(ac.policy, sequences, attention_mask, response_ids, temperature,
+                                                    entropy, keep_hidden=with_head)
     values = None
     if with_head:
         # Detached by default: the value loss would otherwise dominate the shared weights' gradient
         # (returns of +-10 against a policy loss near 0.1), and Adam would follow the critic's needs.
         values = values_from_hidden(ac, hidden if ac.head_trains_backbone else hidden.detach())
-    return logits, values
+    return logprobs, entropies, values
 
 
 def value_forward(ac: ActorCritic, sequences, attention_mask, response_len: int) -> torch.Tensor:
-    """Values (B, T) from the critic (NoCritic: zeros)."""
+    """Values (B, T) from the critic (NoCritic: zeros); a value head reads the policy's states (no log-probs)."""
     if ac.critic.reads_policy_hidden:
-        return policy_forward(ac, sequences, attention_mask, response_len, 1.0)[1]
+        ac.use_adapter(POLICY_ADAPTER)
+        hidden = response_hidden(ac.policy, sequences, attention_mask, response_len)
+        return values_from_hidden(ac, hidden if ac.head_trains_backbone else hidden.detach())
     return ac.critic.values(ac, sequences, attention_mask, response_len)
 
 
@@ -198,12 +203,12 @@ def reference_logprobs(ac: ActorCritic, sequences, attention_mask, response_ids,
     """log pi_ref of the response tokens (B, T): the base with LoRA disabled, or the frozen copy."""
     model = ac.ref_model if ac.ref_model is not None else ac.policy
     with ac.reference_context():
-        logits, _ = causal_lm_forward(model, sequences, attention_mask, response_ids.shape[1], temperature)
-    return selective_log_softmax(logits, response_ids)
+        return response_logprobs(model, sequences, attention_mask, response_ids, temperature)[0]
 
 
 class PolicyAndValue(nn.Module):
-    """The update's forward as one module call, (logits (B, T, V), values (B, T); NoCritic's zeros without a critic).
+    """The update's forward as one module call: (log-probs (B, T), entropies (B, T), values (B, T);
+    NoCritic's zeros without a critic).
 
     One call per backward, so a DDP or DeepSpeed wrapper from ``accelerator.prepare`` sees every
     trainable parameter used and synchronises the gradients (TRL's PolicyAndValueWrapper).
@@ -221,13 +226,14 @@ class PolicyAndValue(nn.Module):
         names = [name for m in models for name in getattr(unwrap_causal_lm(m), "_no_split_modules", None) or []]
         return list(dict.fromkeys(names))
 
-    def forward(self, sequences, attention_mask, response_len: int, temperature: float,
-                fixed_value_features: torch.Tensor | None = None):
-        """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run)."""
+    def forward(self, sequences, attention_mask, response_ids, temperature: float,
+                fixed_value_features: torch.Tensor | None = None, entropy: str = "value"):
+        """``fixed_value_features`` (B, T, H): the rollout's, for a frozen value model (no second run);
+        ``entropy`` as in policy_forward."""
         ac = self.actor_critic
-        logits, values = policy_forward(ac, sequences, attention_mask, response_len, temperature)
+        logprobs, entropies, values = policy_forward(ac, sequences, attention_mask, response_ids, temperature, entropy)
         if ac.value_reads_policy_hidden:  # the head's values came with the policy's forward
-            return logits, values
+            return logprobs, entropies, values
         if fixed_value_features is not None:
-            return logits, values_from_hidden(ac, fixed_value_features)
-        return logits, value_forward(ac, sequences, attention_mask, response_len)
+            return logprobs, entropies, values_from_hidden(ac, fixed_value_features)
+        return logprobs, entropies, value_forward(ac, sequences, attention_mask, response_ids.shape[1])

@@ -25,7 +25,6 @@ from ppo_cli.engine.actor_critic import (
     value_forward,
     values_from_hidden,
 )
-from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.engine.malloc import keep_freed_memory
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
@@ -132,7 +131,8 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_logprobs_and_values(self, generation: Generation, chunk: int, sampled: Sampled | None = None,
-                                     fixed_features: torch.Tensor | None = None, old_logprobs: bool = True):
+                                     fixed_features: torch.Tensor | None = None, old_logprobs: bool = True,
+                                     reference: bool = True):
         """Old log-probs, reference log-probs and old values (B, T) each, 0 outside the action mask
         (the trained tokens; without a critic the values are NoCritic's zeros), and, for a frozen value
         model, the features its head read (B, T, H) (else None). ``chunk`` rows at a time.
@@ -142,7 +142,8 @@ class Engine:
         skipped. ``fixed_features``: the frozen value model's features already computed (B, T, H)
         (shared_reward_forward); its forward is then skipped. ``old_logprobs`` False (no critic, a
         separate reference): no policy forward, and None for the old log-probs (the update's first
-        epoch computes them: defer_old_logprobs).
+        epoch computes them: defer_old_logprobs). ``reference`` False (ppo.uses_reference False): no
+        reference forward, and zeros for its log-probs, which nothing reads.
         """
         ac = self.actor_critic
         if not old_logprobs and (ac.critic.trains or ac.reference_is_policy):
@@ -159,7 +160,12 @@ class Engine:
                 lp, head_values = self._old_logprobs(seq, attn, resp, rows, sampled)
                 logprobs.append(lp)
             with torch.inference_mode(self.options.inference_mode), self.autocast():
-                ref = logprobs[-1] if ac.reference_is_policy else reference_logprobs(ac, seq, attn, resp, self.temperature)
+                if not reference:
+                    ref = torch.zeros(resp.shape, device=resp.device)
+                elif ac.reference_is_policy:
+                    ref = logprobs[-1]
+                else:
+                    ref = reference_logprobs(ac, seq, attn, resp, self.temperature)
                 if ac.value_features_fixed:
                     features.append(fixed_features[rows] if fixed_features is not None
                                     else ac.critic.features(ac, seq, attn, T).clone())
@@ -181,8 +187,8 @@ class Engine:
         ac = self.actor_critic
         if sampled is None:
             with self.autocast():
-                logits, head_values = policy_forward(ac, sequences, attention_mask, response_ids.shape[1], self.temperature)
-            return selective_log_softmax(logits, response_ids), head_values
+                logprobs, _, head_values = policy_forward(ac, sequences, attention_mask, response_ids, self.temperature)
+            return logprobs, head_values
         if not ac.value_reads_policy_hidden:
             return sampled.logprobs[rows], None
         if sampled.hidden is None:  # a sampler that kept no hidden states: the head's own forward
@@ -270,7 +276,7 @@ class Engine:
             shared = self.shared_reward_forward(prompts, responses, generation)
             logprobs, ref_logprobs, values, fixed_features = self.evaluate_logprobs_and_values(
                 generation, self.recipe.ppo.micro_batch_size, sampled, shared.features if shared is not None else None,
-                old_logprobs=old_logprobs,
+                old_logprobs=old_logprobs, reference=self.recipe.ppo.uses_reference,
             )
         except BaseException:
             if pending is not None:

@@ -134,6 +134,35 @@ def test_an_entropy_bonus_keeps_more_logits_copies(model_dir):
     assert bonus["policy", "logits (update)"] == pytest.approx(7 * 2 * 4 * 100 * 4)
 
 
+def test_logits_are_counted_for_one_chunk_of_positions_at_a_real_vocabulary(tmp_path):
+    """engine/logprobs.py computes log-probs 2**23 logits at a time: at SmolLM2's 49,152 tokens a chunk
+    is 170 positions, so a 16 x 48 micro-batch holds 170 positions' logits, not 768."""
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "vocab_size": 49152}))
+    shape = describe_model(str(tmp_path), "causal_lm")
+    assert shape.logits_chunk == 2**23 // 49152 == 170
+    big = settings(micro_batch=16, response_tokens=48)
+    p = parts(estimate(big, shape, None, []))
+    assert p["policy", "logits (update)"] == pytest.approx(4 * 170 * 49152 * 4)  # 4 copies of one chunk
+    bonus = parts(estimate(settings(micro_batch=16, response_tokens=48, entropy_bonus=True), shape, None, []))
+    assert bonus["policy", "logits (update)"] == pytest.approx(7 * 170 * 49152 * 4)
+    # the rollout's no-grad forward: one layer's temporaries + 2 copies of one chunk's logits
+    layer = 16 * (6 + 48) * (3 * 32 + 4 * 16) * 4
+    assert p["rollout", "no-grad forward working set"] == pytest.approx(layer + 2 * 170 * 49152 * 4)
+    small = parts(estimate(settings(micro_batch=2, response_tokens=4), shape, None, []))
+    assert small["policy", "logits (update)"] == pytest.approx(4 * 2 * 4 * 49152 * 4)  # 8 positions: one chunk, whole
+
+
+def test_a_class_whose_log_probs_take_its_own_logits_is_counted_whole(tmp_path):
+    """Starcoder2 is not in engine/logprobs.py's HEAD_STEPS: its log-probs come from forward().logits, all
+    the micro-batch's positions at once."""
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "architectures": ["Starcoder2ForCausalLM"],
+                                                      "model_type": "starcoder2", "vocab_size": 49152}))
+    shape = describe_model(str(tmp_path), "causal_lm")
+    assert shape.logits_chunk is None
+    p = parts(estimate(settings(micro_batch=16, response_tokens=48), shape, None, []))
+    assert p["policy", "logits (update)"] == pytest.approx(4 * 16 * 48 * 49152 * 4)
+
+
 def test_cpu_adds_the_heap_retention_of_the_update_only_on_cpu(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     reward = describe_model(str(model_dir), "classifier")

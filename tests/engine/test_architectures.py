@@ -10,7 +10,10 @@ family's own tokenizer kind), through the project's own loading (load_engine wit
   must not be bypassed;
 - the first PPO mini-batch has ratio 1, with the adapter critic and with a value head, and the policy
   adapter's weights move;
-- final/ loads with ``PeftModel.from_pretrained`` and gives the trained policy's logits.
+- final/ loads with ``PeftModel.from_pretrained`` and gives the trained policy's logits;
+- the chunked log-probs and entropies (engine/logprobs.py: LM head, the family's own step after it,
+  a chunk of positions at a time) equal those of the model's own ``forward().logits``, and so do their
+  gradients, with every weight trained (the LM head included).
 """
 
 from __future__ import annotations
@@ -300,3 +303,100 @@ def test_chat_templated_prompt_has_exactly_one_bos(architecture_models):
         real = ids[mask].tolist()
         assert real[0] == tokenizer.bos_token_id
         assert real.count(tokenizer.bos_token_id) == 1, real[:4]
+
+
+# --- d. chunked log-probs: the model's own logits, without holding them --------------------------------
+
+# Which path each family's log-probs take (engine/logprobs.py's logprob_path): "chunked" reproduces the
+# step after the LM head; "model logits" takes forward().logits whole. Every family here is chunked.
+LOGPROB_PATHS = {name: "chunked" for name in FAMILIES}
+# float32: one chunk covering every position runs the very ops of the model's forward (bitwise equal
+# log-probs and entropies, gradients too); smaller chunks change only the LM head matmul's blocking
+# and the order gradients are summed in. Measured with 4 positions per chunk: log-probs and entropies
+# at most 2.2e-7 of the largest |log-prob|; a weight's gradient at most 2.0e-6 off (Granite's k_proj,
+# Llama's final norm 1.6e-6), float32 summation order, not a distribution.
+CHUNK_PARITY = 1e-6  # relative to the largest |log-prob| (the scale of the logsumexp)
+GRADIENT_PARITY = {"one chunk": 1e-6, "several chunks": 5e-6}  # ||error|| / ||gradient||, each weight
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:
+    """max |actual - expected| / max |scale|."""
+    return ((actual - expected).abs().max() / scale.abs().max()).item()
+
+
+def gradient_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (Frobenius): a weight's gradient as one vector."""
+    return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected)).item()
+
+
+def zero_in_exact_arithmetic(name: str) -> bool:
+    """A key projection's bias: softmax ignores a constant added to every key, so its gradient is
+    rounding noise in both paths (OPT's: 1e-9 against weights' 1e1), and their ratio means nothing."""
+    return name.endswith("k_proj.bias")
+
+
+def test_each_family_takes_the_logprob_path_listed(architecture_models, family):
+    from transformers import AutoModelForCausalLM
+
+    from ppo_cli.engine.logprobs import logprob_path
+
+    model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32)
+    assert logprob_path(model) == LOGPROB_PATHS[family]
+
+
+def test_a_model_class_whose_forward_was_not_read_takes_its_own_logits(architecture_models):
+    from transformers import LlamaForCausalLM
+
+    from ppo_cli.engine.logprobs import logprob_path
+
+    class RemoteCodeLlama(LlamaForCausalLM):  # a name HEAD_STEPS does not know: its forward could do anything
+        pass
+
+    same_name = type("LlamaForCausalLM", (LlamaForCausalLM,), {})  # remote code reusing a known name
+    for cls in (RemoteCodeLlama, same_name):
+        assert logprob_path(cls.from_pretrained(architecture_models / "llama", dtype=torch.float32)) == "model logits"
+
+
+def _logprobs_entropies_and_gradients(model, compute):
+    """(log-probs (B, T), entropies (B, T), {name: gradient}) of a weighted sum of both, every weight trained."""
+    model.zero_grad()
+    logprobs, entropies = compute()
+    weights = torch.linspace(-1.0, 1.0, logprobs.numel()).view_as(logprobs)
+    ((logprobs * weights).sum() + 0.1 * entropies.sum()).backward()
+    return logprobs.detach(), entropies.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("positions_per_chunk", [1000, 4])
+def test_chunked_logprobs_and_gradients_equal_the_models_own_logits(architecture_models, family, positions_per_chunk):
+    from transformers import AutoModelForCausalLM
+
+    from ppo_cli.algo.losses import entropy_from_logits
+    from ppo_cli.engine.logprobs import causal_lm_forward, response_logprobs, selective_log_softmax
+
+    model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32).eval()
+    model.requires_grad_(True)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    sequences = torch.randint(5, vocab, (3, 14), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(3, 14, dtype=torch.bool)
+    attention_mask[1, :4] = attention_mask[2, :2] = False  # left padding
+    response_ids = sequences[:, -6:]
+
+    def own_logits():  # the path before chunking: the model's forward().logits, whole
+        logits, _ = causal_lm_forward(model, sequences, attention_mask, 6, TEMPERATURE)
+        return selective_log_softmax(logits, response_ids), entropy_from_logits(logits)
+
+    def chunked():
+        logprobs, entropies, _ = response_logprobs(model, sequences, attention_mask, response_ids, TEMPERATURE, "grad",
+                                                   logits_per_chunk=positions_per_chunk * vocab)
+        return logprobs, entropies
+
+    expected_lp, expected_ent, expected_grads = _logprobs_entropies_and_gradients(model, own_logits)
+    lp, ent, grads = _logprobs_entropies_and_gradients(model, chunked)
+    assert set(grads) == set(expected_grads) and any("lm_head" in n or "embed" in n or "wte" in n for n in grads)
+    if positions_per_chunk >= 18:  # one chunk: the forward's own ops, bitwise
+        assert torch.equal(lp, expected_lp) and torch.equal(ent, expected_ent)
+    assert relative_error(lp, expected_lp, expected_lp) <= CHUNK_PARITY
+    assert relative_error(ent, expected_ent, expected_lp) <= CHUNK_PARITY
+    worst = max((gradient_error(grads[n], expected_grads[n]), n) for n in grads if not zero_in_exact_arithmetic(n))
+    tolerance = GRADIENT_PARITY["one chunk" if positions_per_chunk >= 18 else "several chunks"]
+    assert worst[0] <= tolerance, f"gradient of {worst[1]}: relative error {worst[0]:.3g}"

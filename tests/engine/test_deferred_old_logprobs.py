@@ -53,8 +53,8 @@ def _state_with_forward(logprobs: torch.Tensor, calls: list):
     """A TrainState as fill_in_old_logprobs reads it: the engine's forward returns ``logprobs``."""
     import contextlib
 
-    def forward(generation, chunk):
-        calls.append(chunk)
+    def forward(generation, chunk, reference=True):
+        calls.append((chunk, reference))
         return logprobs, None, None, None
 
     recipe = SimpleNamespace(train=SimpleNamespace(fsdp_rollout=False), ppo=SimpleNamespace(micro_batch_size=2))
@@ -77,9 +77,10 @@ def test_fill_in_old_logprobs_takes_the_recorded_ones_or_runs_the_forward_when_n
     assert fill_in_old_logprobs(state, _rollout(deferred)).logprobs.tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
     assert calls == []  # the update's first epoch recorded every episode: no forward
     skipped = fill_in_old_logprobs(state, _rollout(DeferredOldLogprobs(torch.zeros(2, 2))))
-    assert skipped.logprobs is forwarded and calls == [2]  # the update was skipped: one forward, in micro-batches
+    # the update was skipped: one forward, in micro-batches, and no reference forward (only the old log-probs are read)
+    assert skipped.logprobs is forwarded and calls == [(2, False)]
     has_them = _rollout(torch.ones(2, 2))
-    assert fill_in_old_logprobs(state, has_them) is has_them and calls == [2]
+    assert fill_in_old_logprobs(state, has_them) is has_them and calls == [(2, False)]
 
 
 def _lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from ppo_cli.engine.actor_critic import policy_forward, reference_logprobs
-from ppo_cli.engine.logprobs import selective_log_softmax
 from ppo_cli.recipe_loading import load_recipe
 from tests.conftest import ROOT, tiny_overrides
 
@@ -19,13 +18,11 @@ def _computed(engine) -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     generation = engine.generate(PROMPTS)
     seq, attn, resp = generation.sequences, generation.attention_mask, generation.response_ids
-    T = resp.shape[1]
     ac.policy.zero_grad(set_to_none=True)
     with engine.autocast():
-        logits, _ = policy_forward(ac, seq, attn, T, 1.0)
+        logprobs, _, _ = policy_forward(ac, seq, attn, resp, 1.0)
         with torch.no_grad():
             ref = reference_logprobs(ac, seq, attn, resp, 1.0)
-    logprobs = selective_log_softmax(logits, resp)
     (logprobs * generation.response_mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in ac.policy.named_parameters() if p.requires_grad}
     return {"tokens": generation.response_ids, "logprobs": logprobs.detach(), "ref": ref, **grads}

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppo_cli.algo.losses import entropy_from_logits
 from ppo_cli.engine.actor_critic import policy_forward
 from ppo_cli.engine.logprobs import position_ids_from_mask, selective_log_softmax
 from ppo_cli.engine.models import unwrap_causal_lm
@@ -47,12 +48,15 @@ def test_policy_forward_matches_plain_model_logits(make_engine):
     generation = engine.generate(PROMPTS)
     T = generation.response_ids.shape[1]
     with torch.no_grad():
-        logits, _ = policy_forward(engine.actor_critic, generation.sequences, generation.attention_mask, T, 0.7)
+        logprobs, entropies, _ = policy_forward(engine.actor_critic, generation.sequences, generation.attention_mask,
+                                                generation.response_ids, 0.7, "value")
         plain = unwrap_causal_lm(engine.actor_critic.policy)(
             input_ids=generation.sequences, attention_mask=generation.attention_mask.long(),
             position_ids=position_ids_from_mask(generation.attention_mask),
         ).logits[:, -T - 1 : -1]
-    torch.testing.assert_close(logits, plain.float() / 0.7, atol=1e-5, rtol=1e-5)
+    plain = plain.float() / 0.7
+    torch.testing.assert_close(logprobs, selective_log_softmax(plain, generation.response_ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropies, entropy_from_logits(plain), atol=1e-5, rtol=1e-5)
 
 
 def test_lora_reference_equals_policy_at_init_and_first_ratio_is_one(make_engine):
@@ -62,9 +66,8 @@ def test_lora_reference_equals_policy_at_init_and_first_ratio_is_one(make_engine
     # LoRA B starts at zero: the base with the adapter disabled is the policy itself.
     torch.testing.assert_close(rollout.logprobs[mask], rollout.ref_logprobs[mask], atol=1e-6, rtol=0)
     # The update's grad-enabled forward reproduces the rollout's no-grad log-probs (ratio = 1).
-    T = rollout.generation.response_ids.shape[1]
-    logits, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask, T, 1.0)
-    new_logprobs = selective_log_softmax(logits, rollout.generation.response_ids)
+    new_logprobs, _, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask,
+                                        rollout.generation.response_ids, 1.0)
     assert new_logprobs.requires_grad
     torch.testing.assert_close(new_logprobs.detach()[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
 
@@ -108,9 +111,8 @@ def test_qlora_rollout_reference_then_training_step(make_engine):
     engine = make_engine(**{"policy.quantization": "4bit"})
     before = _snapshot(engine.actor_critic)
     rollout = engine.collect_rollout(PROMPTS)  # no-grad generate + policy + reference (adapter disabled)
-    T = rollout.generation.response_ids.shape[1]
-    logits, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask, T, 1.0)
-    new_logprobs = selective_log_softmax(logits, rollout.generation.response_ids)
+    new_logprobs, _, _ = policy_forward(engine.actor_critic, rollout.generation.sequences, rollout.generation.attention_mask,
+                                        rollout.generation.response_ids, 1.0)
     mask = rollout.generation.response_mask
     torch.testing.assert_close(new_logprobs.detach()[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
     metrics, _ = train_step(init_state(engine, PROMPTS))
@@ -122,8 +124,7 @@ def _value_loss_grads(engine) -> tuple[dict[str, torch.Tensor | None], torch.Ten
     """Gradients of the values alone (summed) w.r.t. the policy's LoRA weights, and the head's."""
     ac = engine.actor_critic
     generation = engine.generate(PROMPTS)
-    T = generation.response_ids.shape[1]
-    _, values = policy_forward(ac, generation.sequences, generation.attention_mask, T, 1.0)
+    _, _, values = policy_forward(ac, generation.sequences, generation.attention_mask, generation.response_ids, 1.0)
     ac.zero_grad(set_to_none=True)
     values.sum().backward()
     lora = {n: p.grad for n, p in ac.policy.named_parameters() if "lora_" in n}
