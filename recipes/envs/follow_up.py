@@ -4,8 +4,9 @@ The user asks the prompt's question; after the assistant's first answer this use
 again in five words or fewer (one of three phrasings, chosen by the reset seed, so a prompt's group of
 episodes all hear the same one); after the second answer the episode is done. Steps give no reward:
 recipes/rewards/follow_up.py scores whether the last answer honoured the request. What
-recipes/smollm2_follow_up.yaml teaches SmolLM2-135M-Instruct, whose second answer is 5 words or fewer
-about one time in ten.
+recipes/smollm2_follow_up.yaml teaches SmolLM2-135M-Instruct: before training, 5 of its 24 held-out
+episodes end with an answer of 5 words or fewer (most never hear the follow-up: the first answer runs
+past 40 tokens); after 12 updates, 16 of 24.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_the_simulated_user_asks_one_follow_up_picked_by_the_seed_then_ends_the_
     user = follow_up_user()
     assert user.reset({"prompt": "Q?"}, seed=4) is None  # the prompt is the first user message
     first = user.step({"role": "assistant", "content": "The capital of France is Paris."})
-    assert first == {"observation": requests[4 % 3], "reward": 0.0, "done": False}
+    assert first == {"observation": requests[1], "reward": 0.0, "done": False}  # seed 4, 3 phrasings: 4 % 3 = 1
     assert user.step({"role": "assistant", "content": "Paris."}) == {"observation": None, "reward": 0.0, "done": True}
     user.reset({}, seed=3)  # a new episode starts over, with the seed's phrasing
     assert user.step({"role": "assistant", "content": "x"})["observation"] == requests[0]
