@@ -22,10 +22,14 @@ def final_integer(response: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def correct(prompts, responses, answer, **kwargs) -> list[float]:
-    """Per response: 1.0 when its final integer equals the row's answer (as integers), else 0.0."""
+def correct(prompts, responses, answer, **kwargs) -> list[float | None]:
+    """Per response: 1.0 when its final integer equals the row's answer (as integers), else 0.0; None
+    (not scored, counted as a failed reward) when its row has no answer."""
     out = []
     for response, reference in zip(responses, answer):
+        if reference is None:
+            out.append(None)
+            continue
         guess = final_integer(response)
         out.append(1.0 if guess is not None and int(guess) == int(str(reference).strip()) else 0.0)
     return out
