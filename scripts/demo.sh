@@ -10,7 +10,7 @@ PPO="$(dirname "$PY")/ppo"
 # The tiny models are built once per version of their builder, in the cache the test suite uses too
 # (tests/fixtures/model_cache.py), and models/tiny points there.
 built="$("$PY" -m tests.fixtures.model_cache)"
-[ -f "$built/policy/config.json" ] || "$PY" scripts/make_tiny_models.py --out "$built"
+[ -f "$built/policy/config.json" ] || "$PY" scripts/make_tiny_models.py --out "$built" --no-tools
 mkdir -p models
 [ -L models/tiny ] || rm -rf models/tiny
 ln -sfn "../$built" models/tiny

