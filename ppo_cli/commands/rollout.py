@@ -44,7 +44,7 @@ def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: Samp
     from ppo_cli.engine.inference import load_inference_engine
     from ppo_cli.runs import write_jsonl_atomic
 
-    engine = load_inference_engine(recipe, model)
+    engine = load_inference_engine(recipe, model, columns=columns)
     rows = sample_rows(engine, model, prompts, settings, with_tokens=tokens, progress=progress)
     if columns is not None and columns.names:
         found = columns.columns_for([row["prompt"] for row in rows])

@@ -78,9 +78,12 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
     return stack
 
 
-def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None) -> Engine:
+def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardStack | None = None,
+                          columns=None) -> Engine:
     """An Engine for sampling and log-probs from ``model`` with the recipe's tokenizer options,
-    generation settings and reference; ``reward`` is kept as given (None when only sampling).
+    generation settings and reference; ``reward`` is kept as given (None when only sampling). An
+    environment's reset reads each prompt's row from the reward's columns, else ``columns`` (the
+    command's prompts, engine/data.PromptColumns), else the recipe's data.
 
     The weights are ``model.weights_path`` with ``model.base_adapter`` merged in (+ the LoRA adapter,
     loaded as the ``policy`` adapter); the reference is the recipe's (``reference.path``, else
@@ -125,8 +128,19 @@ def load_inference_engine(recipe: Recipe, model: ResolvedModel, reward: RewardSt
     check_mixed_precision(mixed_precision, device)
     # sampled as `ppo train` samples with this recipe (vLLM: on the model's weights / saved adapter)
     sampler = make_sampler(recipe, device, policy, stop_token_id, tokenizer.pad_token_id, mixed_precision, model=model,
-                           tokenizer=tokenizer, columns_for=reward.columns_for if reward is not None else None)
+                           tokenizer=tokenizer, columns_for=_rows_of_prompts(recipe, reward, columns))
     return Engine(recipe, device, tokenizer, actor, reward, stop_token_id, sampler=sampler, mixed_precision=mixed_precision)
+
+
+def _rows_of_prompts(recipe: Recipe, reward: RewardStack | None, columns):
+    """prompts -> {column: [value per prompt]}: what an environment's reset reads as each prompt's row."""
+    if reward is not None:
+        return reward.columns_for
+    if columns is not None:
+        return columns.columns_for
+    from ppo_cli.engine.data import recipe_prompt_columns
+
+    return lambda prompts: recipe_prompt_columns(recipe.data).columns_for(prompts)
 
 
 def _load_adapter(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:

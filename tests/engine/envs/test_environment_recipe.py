@@ -72,3 +72,16 @@ def test_an_environment_with_several_processes_or_vllm_is_refused_in_one_line(tm
     with pytest.raises(RecipeError, match="sample with generation.backend hf, not vllm"):
         check_environment(recipe)
     check_environment(load_recipe(write(tmp_path, BASE + GUESS)))  # one process, hf: accepted
+
+
+def test_an_environment_reads_each_prompts_row_in_the_inference_commands_too(tmp_path):
+    """ppo rollout has no reward: the rows come from the command's prompts file, else the recipe's data."""
+    from ppo_cli.engine.data import PromptColumns, read_recipe_prompts
+    from ppo_cli.engine.inference import _rows_of_prompts
+    from tests.conftest import ROOT
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny_math.yaml", [f"data.prompts={ROOT / 'recipes/data/tiny_math.jsonl'}"])
+    prompt = "What is 12 * 6? Give the number."
+    assert _rows_of_prompts(recipe, None, None)([prompt]) == {"answer": ["72"]}  # the recipe's eval rows
+    given = PromptColumns([read_recipe_prompts(recipe.data, "eval_prompts")])
+    assert _rows_of_prompts(recipe, None, given)([prompt]) == {"answer": ["72"]}
