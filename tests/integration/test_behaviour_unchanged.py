@@ -59,8 +59,9 @@ def machine_fingerprint() -> dict:
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
-    return {"cpu": model or platform.processor(), "simd": simd, "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__}
+    # The thread count too: a matmul split over another number of threads sums in another order.
+    return {"cpu": model or platform.processor(), "simd": simd, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
 def _train(models: Path, out: Path, recipe: str, precision: str, extra: dict) -> tuple[list[dict], dict]:
