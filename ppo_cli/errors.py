@@ -69,6 +69,11 @@ class RewardServerUnreachable(UsageError):
     """A reward server or judge does not answer before training starts, or its credentials are missing."""
 
 
+class SamplerServerError(PpoError):
+    """The vLLM server that samples the rollouts (generation.backend vllm_server) did not answer, answered an
+    error or lost the policy's adapter."""
+
+
 class EnvironmentSetupError(UsageError):
     """An episode environment (its tools, class or server) cannot be used: not found, wrong signature, no docstring."""
 

@@ -327,13 +327,31 @@ class GenerationConfig(Section):
         "update = ppo.rollout_batch_size x num_generations.",
     )
     stop_token: str | None = Field(None, description="Stop token text. Default: the tokenizer's EOS (TRL: stop_token='eos').")
-    backend: Literal["hf", "vllm"] = Field(
+    backend: Literal["hf", "vllm", "vllm_server"] = Field(
         "hf",
         description="Who samples the rollouts. hf: transformers generate on the policy itself. vllm: an in-process "
         "vLLM engine (pip install 'ppo_cli[vllm]'; one process only) fed the same prompt token ids and sampling "
         "settings, kept current with the policy's LoRA adapter (or, without LoRA, its weights) before every rollout. "
+        "vllm_server: a running `vllm serve` at generation.server_url (LoRA only), handed the policy's adapter "
+        "before every rollout (docs/vllm.md). "
         "The old log-probs are still the policy's own forward; the sampler's differ by numerics, logged as "
         "rollout/logprob_diff_mean and _max (see ppo.rollout_is_clip).",
+    )
+    server_url: str | None = Field(
+        None,
+        description="backend vllm_server: the OpenAI-compatible vLLM server, e.g. http://127.0.0.1:8000 (started "
+        "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; docs/vllm.md).",
+    )
+    server_adapter_dir: str | None = Field(
+        None,
+        description="backend vllm_server: where each update's adapter is saved for the server to load; a path the "
+        "server can read (shared storage when it runs elsewhere). Default: server_adapters/ in the run directory.",
+    )
+    server_timeout_s: float = Field(
+        600.0, gt=0.0, description="backend vllm_server: seconds one request (one group's completions) may take.",
+    )
+    server_retries: int = Field(
+        2, ge=0, le=20, description="backend vllm_server: retries after a timeout, a connection error, HTTP 429 or 5xx.",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0.0, le=1.0,
@@ -882,12 +900,33 @@ class Recipe(Section):
                 "remove `value.lora` or set `value.kind: adapter` (needs `policy.lora`)",
                 key="value.lora",
             )
-        if self.ppo.rollout_is_clip is not None and self.generation.backend != "vllm":
+        if self.ppo.rollout_is_clip is not None and self.generation.backend not in ("vllm", "vllm_server"):
             raise _rule_error(
                 "corrects for a separate sampler and has no effect with generation.backend 'hf' (the policy samples itself)",
                 "set `generation.backend: vllm` or remove `ppo.rollout_is_clip`",
                 key="ppo.rollout_is_clip",
             )
+        server_keys = ("server_url", "server_adapter_dir")
+        if self.generation.backend == "vllm_server" and self.generation.server_url is None:
+            raise _rule_error(
+                "generation.backend 'vllm_server' needs the server's address",
+                "set `generation.server_url: http://HOST:PORT` (a `vllm serve` started with --enable-lora; docs/vllm.md)",
+                key="generation.server_url",
+            )
+        if self.generation.backend == "vllm_server" and self.policy.lora is None:
+            raise _rule_error(
+                "generation.backend 'vllm_server' samples with the policy's LoRA adapter, loaded into the server each "
+                "update; a full fine-tune's weights cannot be pushed to a vLLM server",
+                "set `policy.lora` (e.g. r: 16), or use generation.backend: vllm (in-process, reloads full weights)",
+                key="generation.backend",
+            )
+        for key in server_keys:
+            if getattr(self.generation, key) is not None and self.generation.backend != "vllm_server":
+                raise _rule_error(
+                    "only used with generation.backend 'vllm_server'",
+                    f"set `generation.backend: vllm_server` or remove `generation.{key}`",
+                    key=f"generation.{key}",
+                )
         if self.generation.vllm_sleep_mode and self.generation.backend != "vllm":
             raise _rule_error(
                 "only used with generation.backend 'vllm'",

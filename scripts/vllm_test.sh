@@ -9,7 +9,8 @@
 # GGUF file, scripts/fetch_smollm2.py). On 2 shared cores: about 3.5 minutes to create the venv, then about
 # 6 minutes for the training tests (four short runs, each starting its own vLLM engine), two short SmolLM2
 # runs (skipped, saying why, where the model cannot be fetched) and a few more for rollout, eval and
-# compare, plus the tiny
+# compare, about 3 minutes for the
+# vllm_server tests (one `vllm serve` for the module, two updates and a rollout through it), plus the tiny
 # models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
 # --setup-only makes the venv and stops.
 set -euo pipefail
@@ -41,4 +42,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # The unit tests of the backend too: they must pass against vLLM's transformers as well.
 exec "$PY" -m pytest tests/engine/test_vllm_sampler.py tests/algo/test_importance.py tests/integration/test_vllm_train.py \
+  tests/engine/test_vllm_server_sampler.py tests/integration/test_vllm_server.py \
   tests/integration/test_vllm_inference.py "$@"

@@ -63,6 +63,11 @@ def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
     """generation.backend vllm, refused in one line before anything loads: more than one process
     (``world_size``: --num-processes, or WORLD_SIZE as the launcher sets it), vllm not installed, or a
     model (``models``: ResolvedModel) it would not sample as transformers does. Every command's check."""
+    if recipe.generation.backend == "vllm_server":
+        from ppo_cli.engine.vllm_server_sampler import check_server
+
+        check_server(recipe, world_size, models)
+        return
     if recipe.generation.backend != "vllm":
         return
     from ppo_cli.engine.vllm_sampler import check_can_sample, check_one_process, check_vllm_installed

@@ -370,6 +370,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         with StopOnSignal() as stop:
             observer = _train_loop(state, run_dir, stop, recipe_path, show)
     except BaseException as err:
+        engine.sampler.close()  # a vLLM server's adapter directory goes before the run's files are taken back
         if footprint is not None and state.step == 0:
             discard_unstarted_run(run_dir, footprint)  # no update finished: leave no run to block or mislead
         if isinstance(err, OutOfMemory):
@@ -387,4 +388,5 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         summary = _finish(state, run_dir, before, after, merge, started, observer, full_state,
                           phase_peaks=phase_peaks) if dist.is_main else {}
     dist.wait()
+    engine.sampler.close()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -336,6 +336,10 @@ def make_sampler(recipe: Recipe, device: torch.device, policy: torch.nn.Module, 
 
         sampler = VllmSampler(recipe, device, policy, model=model, mixed_precision=mixed_precision,
                               stop_token_id=stop_token_id, pad_token_id=pad_token_id)
+    elif recipe.generation.backend == "vllm_server":
+        from ppo_cli.engine.vllm_server_sampler import VllmServerSampler
+
+        sampler = VllmServerSampler(recipe, stop_token_id, pad_token_id, model=model)
     else:
         sampler = TransformersSampler(recipe.generation, stop_token_id, pad_token_id, mixed_precision, device)
     if recipe.environment is None:

@@ -125,8 +125,9 @@ def probe(method: str, url: str, component, secrets: Secrets, headers: dict, bod
 
 
 async def request_json(client, method: str, url: str, policy: Policy, secrets: Secrets, *,
-                       headers: dict[str, str] | None = None, body: Any = None) -> Any:
-    """The JSON answer to one request, retried per ``policy``; RemoteFailure when it fails for good."""
+                       headers: dict[str, str] | None = None, body: Any = None, json_answer: bool = True) -> Any:
+    """The JSON answer to one request, retried per ``policy``; RemoteFailure when it fails for good.
+    ``json_answer`` False: the answer's text (vLLM's adapter endpoints answer plain text)."""
     import httpx
 
     attempts = policy.retries + 1
@@ -148,6 +149,8 @@ async def request_json(client, method: str, url: str, policy: Policy, secrets: S
             continue
         if response.status_code >= 400:
             raise RemoteFailure(f"{url} answered HTTP {response.status_code} {quote(response.text, secrets)}")
+        if not json_answer:
+            return response.text
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
