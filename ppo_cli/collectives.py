@@ -85,9 +85,11 @@ LAUNCHER_PID_ENV = "PPO_LAUNCHER_PID"  # set by ppo_cli.launch for the processes
 
 
 def launcher_pid() -> int:
-    """The pid of the launcher that started this process: ppo_cli.launch's (it names itself), or the
-    parent's for a plain `accelerate launch` / torchrun (whose agent is the parent)."""
-    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+    """The pid of the launcher that started this process: ppo_cli.launch's (it names itself, read only in a
+    process torchrun's agent started, which ppo_cli.launch runs in its own process; DeepSpeed's multi-node
+    launcher starts processes elsewhere), else the parent's (a plain `accelerate launch`, torchrun, DeepSpeed)."""
+    named = os.environ.get(LAUNCHER_PID_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    return int(named or os.getppid())
 
 
 def end_with_launcher(launcher: int, poll_s: float = 1.0, on_gone=None) -> threading.Event:

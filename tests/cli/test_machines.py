@@ -209,3 +209,13 @@ def test_the_sbatch_example_runs_one_ppo_train_per_node_with_its_rank(tmp_path):
             (2, node, "gpu-a17:29500", 8)
         assert list(params["overrides"]) == ["seed=2"] and params["resume"] == "latest"
         assert machines_for(params["num_processes"], 2, node, params["main_address"]) == Machines(2, node, ("gpu-a17", 29500))
+
+
+def test_the_launcher_named_by_ppo_cli_is_trusted_only_in_a_process_torchrun_started(monkeypatch):
+    from ppo_cli.collectives import LAUNCHER_PID_ENV, launcher_pid
+
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "4242")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert launcher_pid() == os.getppid()  # e.g. DeepSpeed's own launcher on another machine
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launcher_pid() == 4242
