@@ -19,6 +19,7 @@ import threading
 import time
 
 from ppo_cli.errors import PpoError, print_error
+from ppo_cli.launch import LAUNCHER_PID_ENV
 
 PHASES = ("loading", "rollout", "update", "evaluation", "checkpoint")
 _current = {"phase": "loading"}
@@ -79,9 +80,6 @@ def exit_soon(grace_s: float, code: int = 1) -> None:
     timer = threading.Timer(grace_s, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
-
-
-LAUNCHER_PID_ENV = "PPO_LAUNCHER_PID"  # set by ppo_cli.launch for the processes it starts
 
 
 def launcher_pid() -> int:

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
+LAUNCHER_PID_ENV = "PPO_LAUNCHER_PID"  # the launcher's pid, for the processes it starts (collectives.launcher_pid)
+
 # The launcher's own options, each taking one value: the launched processes must not launch again.
 LAUNCHER_OPTIONS = ("--num-processes", "--accelerate-config", "--num-machines", "--machine-rank", "--main-address")
 
@@ -222,7 +224,6 @@ def quiet_launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)
-    from ppo_cli.collectives import LAUNCHER_PID_ENV
     from ppo_cli.errors import print_error
 
     quiet = logging.getLogger("torch.distributed.elastic")

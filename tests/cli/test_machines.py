@@ -212,7 +212,8 @@ def test_the_sbatch_example_runs_one_ppo_train_per_node_with_its_rank(tmp_path):
 
 
 def test_the_launcher_named_by_ppo_cli_is_trusted_only_in_a_process_torchrun_started(monkeypatch):
-    from ppo_cli.collectives import LAUNCHER_PID_ENV, launcher_pid
+    from ppo_cli.collectives import launcher_pid
+    from ppo_cli.launch import LAUNCHER_PID_ENV
 
     monkeypatch.setenv(LAUNCHER_PID_ENV, "4242")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
