@@ -145,7 +145,7 @@ def train(
         typer.Option("--num-processes", min=1, show_default=False,
                       help="Data-parallel processes in all, launched through `accelerate launch` (its --num_processes): "
                       "with --num-machines M, the total over the M machines, each starting its share. "
-                      "Default: 1, or one per machine."),
+                      "Default: the --accelerate-config file's, else one per machine."),
     ] = None,
     accelerate_config: Annotated[
         Optional[Path],
