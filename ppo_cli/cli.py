@@ -141,32 +141,57 @@ def train(
         bool, typer.Option("--force", help="With --resume: accept a recipe that differs from the saved one.")
     ] = False,
     num_processes: Annotated[
-        int,
-        typer.Option("--num-processes", min=1, help="Data-parallel processes, launched through `accelerate launch`."),
-    ] = 1,
+        Optional[int],
+        typer.Option("--num-processes", min=1, show_default=False,
+                      help="Data-parallel processes in all, launched through `accelerate launch` (its --num_processes): "
+                      "with --num-machines M, the total over the M machines, each starting its share. "
+                      "Default: the --accelerate-config file's, else one per machine."),
+    ] = None,
     accelerate_config: Annotated[
         Optional[Path],
         typer.Option("--accelerate-config", metavar="FILE", show_default=False,
                      help="Launch through `accelerate launch --config_file FILE`: its distributed type, precision "
                      "and backend apply as written (--num-processes, if given, overrides its process count)."),
     ] = None,
+    num_machines: Annotated[
+        Optional[int], typer.Option("--num-machines", min=1, metavar="M", show_default=False,
+                                    help="Machines in the run (accelerate's --num_machines): start the same command "
+                                    "on each. Default: the --accelerate-config file's, else 1.")
+    ] = None,
+    machine_rank: Annotated[
+        Optional[int], typer.Option("--machine-rank", min=0, metavar="I", show_default=False,
+                                    help="This machine's rank, 0 to M-1 (accelerate's --machine_rank); machine 0 hosts "
+                                    "the rendezvous and writes the run's files. Default: the config file's, else 0.")
+    ] = None,
+    main_address: Annotated[
+        Optional[str],
+        typer.Option("--main-address", metavar="HOST:PORT", show_default=False,
+                     help="Machine 0's address and a free port on it, the same on every machine (accelerate's "
+                     "--main_process_ip/--main_process_port, static rendezvous)."),
+    ] = None,
 ) -> None:
     """Train a policy with PPO as the recipe says; writes output_dir/name/."""
+    from ppo_cli.launch import machines_for
     from ppo_cli.recipe_loading import load_recipe
 
     resolved = load_recipe(recipe, overrides or ())
-    if num_processes > 1:  # refused before launching
+    if accelerate_config is not None and not accelerate_config.is_file():
+        raise UsageError(f"accelerate config not found: {accelerate_config}",
+                         hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
+    machines = machines_for(num_processes, num_machines, machine_rank, main_address, accelerate_config)
+    total = num_processes or machines.count
+    if total > 1:  # refused before launching
         from ppo_cli.commands.inputs import check_environment, check_vllm_backend
 
-        check_vllm_backend(resolved, num_processes)
-        check_environment(resolved, num_processes)
-    if num_processes > 1 or accelerate_config is not None:
+        check_vllm_backend(resolved, total)
+        check_environment(resolved, total)
+    if total > 1 or accelerate_config is not None or machines.address is not None:
         from ppo_cli.launch import launch_train
 
-        if accelerate_config is not None and not accelerate_config.is_file():
-            raise UsageError(f"accelerate config not found: {accelerate_config}",
-                             hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
-        raise typer.Exit(launch_train(num_processes, ctx.find_root().obj["argv"], accelerate_config))
+        # A config file keeps its own process count unless --num-processes says otherwise.
+        launched = (num_processes or 1) if accelerate_config is not None else total
+        raise typer.Exit(launch_train(launched, ctx.find_root().obj["argv"], accelerate_config, machines,
+                                      resolved.train.collective_timeout_s))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 

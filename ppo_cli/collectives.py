@@ -6,6 +6,9 @@ train.collective_timeout_s (distributed.py): gloo then raises in the waiting pro
 CollectiveTimeout naming the phase the run was in (``enter``). The Watchdog covers a wait that does
 not raise: a process whose main thread has sat in one torch.distributed call past the timeout plus a
 grace prints the same line and exits; the launcher (torchrun) then stops the other processes.
+A process whose launcher has ended (SIGKILLed: torchrun starts each process in a session of its own,
+so nothing else stops it) ends too, as it would with its machine: the processes of the other machines
+then see a peer gone at their next collective (end_with_launcher).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 import time
 
 from ppo_cli.errors import PpoError, print_error
+from ppo_cli.launch import LAUNCHER_PID_ENV
 
 PHASES = ("loading", "rollout", "update", "evaluation", "checkpoint")
 _current = {"phase": "loading"}
@@ -76,6 +80,40 @@ def exit_soon(grace_s: float, code: int = 1) -> None:
     timer = threading.Timer(grace_s, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
+
+
+def launcher_pid() -> int:
+    """The pid of the launcher that started this process: ppo_cli.launch's (it names itself, read only in a
+    process torchrun's agent started, which ppo_cli.launch runs in its own process; DeepSpeed's multi-node
+    launcher starts processes elsewhere), else the parent's (a plain `accelerate launch`, torchrun, DeepSpeed)."""
+    named = os.environ.get(LAUNCHER_PID_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    return int(named or os.getppid())
+
+
+def end_with_launcher(launcher: int, poll_s: float = 1.0, on_gone=None) -> threading.Event:
+    """A daemon thread that ends this process (one line, exit 1) once ``launcher`` is no longer its
+    parent, polled every ``poll_s`` as PyTorch's DataLoader workers watch theirs. ``on_gone`` replaces
+    the exit (tests). Returns an Event that stops the thread when set."""
+    stop = threading.Event()
+
+    def leave() -> None:
+        print_error(f"this machine's launcher (pid {launcher}) ended, so its process {os.environ.get('RANK', '?')} "
+                    "stops too", hint="the other machines' processes stop at their next collective; "
+                    "`ppo train RECIPE --resume` on every machine continues from the last checkpoint")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def watch() -> None:
+        while not stop.wait(poll_s) and os.getppid() == launcher:
+            pass
+        if not stop.is_set():
+            (on_gone or leave)()
+
+    if os.getppid() != launcher:  # gone already, before this process got here
+        (on_gone or leave)()
+    else:
+        threading.Thread(target=watch, name="ppo-launcher-watch", daemon=True).start()
+    return stop
 
 
 def _in_torch_distributed(frame) -> object | None:

@@ -301,6 +301,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     # A process stuck in one collective well past the timeout (a wait that does not raise) prints the
     # line and exits; the launcher then stops the others.
     watchdog = collectives.Watchdog(timeout + WATCHDOG_GRACE_S, timeout).start() if several else None
+    # A launcher SIGKILLed (a machine going down) leaves its processes running: they stop with it.
+    launcher_watch = collectives.end_with_launcher(collectives.launcher_pid()) if several else None
     try:
         return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge, show)
     except RuntimeError as err:
@@ -312,6 +314,8 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if launcher_watch is not None:
+            launcher_watch.set()
 
 
 def _gathered_for_evaluation(dist, model, eval_prompts: list[str]):

@@ -357,8 +357,9 @@ def test_ppo_train_forwards_options_it_does_not_know_about(monkeypatch, tmp_path
 
     launched = {}
 
-    def fake_launch(num_processes, argv, config_file=None):
-        launched.update(num_processes=num_processes, command=ppo_cli.launch.launch_command(num_processes, ppo_cli.launch.forwarded_args(argv), config_file))
+    def fake_launch(num_processes, argv, config_file=None, machines=ppo_cli.launch.Machines(), timeout_s=None):
+        launched.update(num_processes=num_processes, command=ppo_cli.launch.launch_command(
+            num_processes, ppo_cli.launch.forwarded_args(argv), config_file, machines, timeout_s))
         return 0
 
     monkeypatch.setattr(ppo_cli.launch, "launch_train", fake_launch)
