@@ -445,7 +445,7 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
     if s.lora is None and s.optimizer == "adamw":
         offer("8-bit AdamW (bitsandbytes)", ["optim.name=adamw_8bit"], dataclasses.replace(s, optimizer="adamw_8bit"))
     if not s.gradient_checkpointing:
-        offer("gradient checkpointing", ["policy.gradient_checkpointing=true"],
+        offer("gradient checkpointing", ["train.gradient_checkpointing=true"],
               dataclasses.replace(s, gradient_checkpointing=True))
     smaller = [m for m in range(s.micro_batch - 1, 0, -1) if s.mini_batch % m == 0]
     for micro in smaller:
@@ -483,7 +483,8 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
     )
     return Settings(
         device=device, dtype=policy_dtype, quantization=pol.quantization, lora=pol.lora,
-        gradient_checkpointing=pol.gradient_checkpointing,
+        # auto: off here, resolved by commands/plan.py's planned_checkpointing over this estimate
+        gradient_checkpointing=recipe.train.gradient_checkpointing is True,
         reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
         value_kind=value.kind, value_dtype=value_dtype, value_lora=recipe.value.lora,

@@ -126,6 +126,7 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path, show: Show):
     Returns the main process's RunObserver (None elsewhere)."""
     from ppo_cli.checkpoint import save_checkpoint
     from ppo_cli.collectives import enter as enter_phase
+    from ppo_cli.commands.plan import planned_checkpointing
     from ppo_cli.observe import RunObserver
     from ppo_cli.runs import JsonlWriter
     from ppo_cli.trainer import train
@@ -202,7 +203,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
 
 
 def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
-            full_state: dict | None = None, *, phase_peaks: dict[str, float]) -> dict:
+            full_state: dict | None = None, *, phase_peaks: dict[str, float], checkpointing=None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
     weights under FSDP, see save_policy_and_value; ``phase_peaks``: CUDA GB by phase, saving's added here)."""
     import torch
@@ -234,6 +235,8 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
         "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved ('auto' made concrete)
         "mixed_precision_choice": precision_record(state.dist.precision),
+        "gradient_checkpointing": engine.gradient_checkpointing,  # train.gradient_checkpointing resolved
+        **({"gradient_checkpointing_choice": checkpointing.describe()} if checkpointing is not None else {}),
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
     by_phase = {**phase_peaks, **state.memory_peaks}  # CUDA only: which phase set the peak
@@ -345,11 +348,13 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     started = time.perf_counter()
     phase_peaks: dict[str, float] = {}  # CUDA only: the most memory each phase outside the updates held
+    checkpointing = planned_checkpointing(recipe, dist.device.type, dist.mixed_precision)
     if dist.is_main:
-        show("loading", {"name": recipe.name, "precision": dist.precision.describe()})
+        show("loading", {"name": recipe.name, "precision": dist.precision.describe(),
+                         "checkpointing": checkpointing.describe()})
     try:
         with memory_phase("loading the models"), phase_peak(dist.device, phase_peaks, "loading"):
-            engine = load_engine(recipe, dist.device, dist.mixed_precision)
+            engine = load_engine(recipe, dist.device, dist.mixed_precision, gradient_checkpointing=checkpointing.value)
         if checkpoint is not None:  # before accelerate prepares the models: FSDP shards the loaded weights
             load_policy_and_value(engine.actor_critic, checkpoint)
         state = init_state(engine, prompts, dist)
@@ -385,6 +390,6 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     # weights need no gathering; ZeRO-3 saves from the modules, gathered here by every process.
     with contextlib.nullcontext() if dist.shards_parameters else dist.full_parameters(state.model):
         summary = _finish(state, run_dir, before, after, merge, started, observer, full_state,
-                          phase_peaks=phase_peaks) if dist.is_main else {}
+                          phase_peaks=phase_peaks, checkpointing=checkpointing) if dist.is_main else {}
     dist.wait()
     return TrainResult(run_dir.path, run_dir.final, summary)
