@@ -126,7 +126,6 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path, show: Show):
     Returns the main process's RunObserver (None elsewhere)."""
     from ppo_cli.checkpoint import save_checkpoint
     from ppo_cli.collectives import enter as enter_phase
-    from ppo_cli.commands.plan import planned_checkpointing
     from ppo_cli.observe import RunObserver
     from ppo_cli.runs import JsonlWriter
     from ppo_cli.trainer import train
@@ -331,6 +330,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state, recorded_mixed_precision
     from ppo_cli.collectives import enter as enter_phase
+    from ppo_cli.commands.plan import planned_checkpointing
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.evaluation import held_out
