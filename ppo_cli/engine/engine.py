@@ -386,7 +386,7 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe)
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data),
-                         max_new_tokens=recipe.generation.max_new_tokens)
+                         max_new_tokens=recipe.generation.max_new_tokens, mixed_precision=mixed_precision)
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
     if gradient_checkpointing is None:
         gradient_checkpointing = recipe.train.gradient_checkpointing is True
