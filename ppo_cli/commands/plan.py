@@ -119,17 +119,44 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     return result
 
 
-def planned_checkpointing(recipe: Recipe, device: str, mixed_precision: str) -> CheckpointingChoice:
-    """train.gradient_checkpointing as a run on ``device`` with ``mixed_precision`` (resolved) takes it:
-    true/false as written; auto from this plan made with it off, against the device's memory
-    (plan_checkpointing.py's rule). Reads the configs and the prompts, loads no weights."""
+@dataclass(frozen=True)
+class RunChoices:
+    """What `ppo train` takes from the memory plan before it loads a model."""
+
+    checkpointing: CheckpointingChoice  # train.gradient_checkpointing resolved
+    heap_tuning: bool  # CPU: engine/malloc.keep_freed_memory (EngineOptions.cpu_malloc_tuning)
+    heap_reason: str  # e.g. 'heap tuning on (planned 1.46 GB + 10% <= 80% of 22.0 GB available)'; '' off CPU
+
+    def describe(self) -> str:
+        return self.checkpointing.describe() + (f"; {self.heap_reason}" if self.heap_reason else "")
+
+
+def planned_choices(recipe: Recipe, device: str, mixed_precision: str) -> RunChoices:
+    """train.gradient_checkpointing and the CPU heap tuning as a run on ``device`` with ``mixed_precision``
+    (resolved) takes them, from this plan against the device's memory: checkpointing true/false as
+    written, auto by plan_checkpointing.py's rule over the plan made with it off; the heap tuning by
+    engine/malloc.tuning_fits over the plan's peak as the run will compute. Reads the configs and the
+    prompts, loads no weights (a plan that cannot be made leaves checkpointing off and the heap alone)."""
+    import dataclasses
+
+    from ppo_cli.engine.malloc import tuning_fits
+
     setting = recipe.train.gradient_checkpointing
-    if setting != "auto":
-        return choose_gradient_checkpointing(setting, [], None)
-    prompt_len, _ = prompt_tokens(recipe)
-    settings = settings_from_recipe(recipe, device, prompt_len, mixed_precision)
+    try:
+        prompt_len, _ = prompt_tokens(recipe)
+        settings = settings_from_recipe(recipe, device, prompt_len, mixed_precision)
+        shapes = model_shapes(recipe)
+    except Exception as err:  # noqa: BLE001 - the load reports a bad model itself, with its own message
+        reason = f"no plan: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        return RunChoices(CheckpointingChoice(setting, setting is True, reason), False,
+                          "heap tuning off (no plan)" if device == "cpu" else "")
     memory, source = device_memory_gb(device)
-    return choose_gradient_checkpointing(setting, total_estimate(settings, model_shapes(recipe)).lines, memory, source)
+    checkpointing = choose_gradient_checkpointing(setting, total_estimate(settings, shapes).lines, memory, source)
+    planned = total_estimate(dataclasses.replace(settings, gradient_checkpointing=checkpointing.value), shapes)
+    if device != "cpu":
+        return RunChoices(checkpointing, True, "")
+    on, why = tuning_fits(planned.total_gb, memory)
+    return RunChoices(checkpointing, on, why)
 
 
 def device_memory_gb(device: str) -> tuple[float | None, str]:

@@ -137,3 +137,15 @@ def test_one_update_is_the_same_with_and_without_checkpointing(tiny_models, tmp_
     assert plain.keys() == ckpt.keys()
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=1e-6, msg=name)
+
+
+# --- the glibc heap tuning's rule (engine/malloc.py tuning_fits) -----------------------------------
+
+
+def test_heap_tuning_stays_on_while_the_planned_peak_and_its_extra_leave_a_fifth_free():
+    from ppo_cli.engine.malloc import tuning_fits
+
+    # 8 GB planned x 1.1 = 8.8 GB <= 0.8 x 11 = 8.8 GB available: on; at 10.9 GB available it is not
+    assert tuning_fits(8.0, 11.0) == (True, "heap tuning on (planned 8.00 GB + 10% <= 80% of 11.0 GB available)")
+    assert tuning_fits(8.0, 10.9) == (False, "heap tuning off (planned 8.00 GB + 10% > 80% of 10.9 GB available)")
+    assert tuning_fits(None, 64.0)[0] is False and tuning_fits(1.0, None)[0] is False
