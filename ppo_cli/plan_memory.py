@@ -21,7 +21,8 @@ The rest is arithmetic on the recipe:
                  (both measured on an H200: benchmarks/gpu_check.py);
                  with train.mixed_precision bf16/fp16 activations take 2 B a value, and
                  a full fine-tune keeps a half-precision copy of its weights for the update (autocast)
-    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
+    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward (the
+                 reward model's under the run's autocast: 2 B a value with bf16/fp16)
     runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
                  on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
 
@@ -310,7 +311,9 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * kvb
     work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * rows * policy.vocab * 4
     for shape, (dtype, _, batch) in zip(rewards, s.rewards):
-        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
+        # a reward model computes under the run's autocast (engine/rewards/model.py): 2 B a value then
+        rb = 2.0 if s.mixed_precision != "no" else b[dtype]
+        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * rb)
     rollout = [
         Line("rollout", "KV cache", kv / GB,
              f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
