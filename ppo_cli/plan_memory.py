@@ -21,7 +21,8 @@ The rest is arithmetic on the recipe:
                  (both measured on an H200: benchmarks/gpu_check.py);
                  with train.mixed_precision bf16/fp16 activations take 2 B a value, and
                  a full fine-tune keeps a half-precision copy of its weights for the update (autocast)
-    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward
+    rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward (the
+                 reward model's under the run's autocast: 2 B a value with bf16/fp16)
     runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
                  on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
 
@@ -310,7 +311,9 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * kvb
     work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * rows * policy.vocab * 4
     for shape, (dtype, _, batch) in zip(rewards, s.rewards):
-        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * b[dtype])
+        # a reward model computes under the run's autocast (engine/rewards/model.py): 2 B a value then
+        rb = 2.0 if s.mixed_precision != "no" else b[dtype]
+        work = max(work, min(batch, R) * L * (3 * shape.intermediate + 4 * shape.hidden) * rb)
     rollout = [
         Line("rollout", "KV cache", kv / GB,
              f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
@@ -445,7 +448,7 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
     if s.lora is None and s.optimizer == "adamw":
         offer("8-bit AdamW (bitsandbytes)", ["optim.name=adamw_8bit"], dataclasses.replace(s, optimizer="adamw_8bit"))
     if not s.gradient_checkpointing:
-        offer("gradient checkpointing", ["policy.gradient_checkpointing=true"],
+        offer("gradient checkpointing", ["train.gradient_checkpointing=true"],
               dataclasses.replace(s, gradient_checkpointing=True))
     smaller = [m for m in range(s.micro_batch - 1, 0, -1) if s.mini_batch % m == 0]
     for micro in smaller:
@@ -483,7 +486,8 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
     )
     return Settings(
         device=device, dtype=policy_dtype, quantization=pol.quantization, lora=pol.lora,
-        gradient_checkpointing=pol.gradient_checkpointing,
+        # auto: off here, resolved by commands/plan.py's planned_checkpointing over this estimate
+        gradient_checkpointing=recipe.train.gradient_checkpointing is True,
         reference="adapter" if pol.lora is not None and recipe.reference.path is None else "copy",
         reference_dtype=dtype(recipe.reference.dtype, policy_dtype), reference_quantization=recipe.reference.quantization,
         value_kind=value.kind, value_dtype=value_dtype, value_lora=recipe.value.lora,

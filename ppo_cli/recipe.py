@@ -62,12 +62,21 @@ class PolicyConfig(Section):
         "the PPO run starts from it and, unless reference.path is set, uses it as the reference too.",
     )
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter; the reference is then the base with the adapter disabled.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto", description="Attention kernel of the policy, reference and value model: auto is transformers' choice for "
         "the architecture (sdpa where it is supported); flash_attention_2 needs a CUDA GPU and the flash-attn package.",
     )
     trust_remote_code: bool = Field(False, description="Run model code from the hub repository. Off unless you trust it.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpointing_moved(cls, data):
+        if isinstance(data, dict) and "gradient_checkpointing" in data:
+            raise _rule_error(
+                "policy.gradient_checkpointing is now train.gradient_checkpointing (auto, true or false)",
+                "move it under `train:`; auto turns it on where `ppo plan` says the activations need it",
+            )
+        return data
 
     @model_validator(mode="after")
     def _quantized_needs_lora(self) -> "PolicyConfig":
@@ -533,6 +542,15 @@ class TrainConfig(Section):
         "Pure bf16 weights are policy.dtype: bfloat16 with mixed_precision auto or no. The resolved value is in the "
         "run's summary.json.",
     )
+    gradient_checkpointing: Literal["auto"] | bool = Field(
+        "auto",
+        description="Recompute each decoder layer's activations in the backward instead of keeping them (the policy, "
+        "and a trained value.kind model's backbone): less memory, one more forward per update, the same numbers "
+        "(TRL: gradient_checkpointing). auto: on where `ppo plan` says the update's activations would not fit the "
+        "device (the GPU's memory; on CPU the memory available at start) or are the largest term of the update's "
+        "peak; off elsewhere (the tiny test models). The choice and its reason are printed at start and kept in "
+        "summary.json.",
+    )
     max_consecutive_skips: int = Field(
         3, gt=0, description="Stop after this many updates in a row skipped for non-finite numbers."
     )
@@ -552,6 +570,16 @@ class TrainConfig(Section):
         "NCCL); 600 is NCCL's own default. The other processes wait while the main one writes a checkpoint or final/: "
         "raise it when that takes longer for your model.",
     )
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value):
+        # pydantic's bool would also take 1, "yes" or "on": one spelling per value.
+        if value == "auto" or isinstance(value, bool):
+            return value
+        shown = repr(value).replace("{", "(").replace("}", ")")  # the message goes through str.format
+        raise _rule_error(f"gradient_checkpointing must be auto, true or false, not {shown}",
+                          "write `gradient_checkpointing: auto` (the default), `true` or `false`")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

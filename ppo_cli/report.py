@@ -72,7 +72,8 @@ class TrainScreen:
 
     def __call__(self, what: str, data: dict) -> None:
         if what == "loading":
-            console.print(f"loading models for [bold]{data['name']}[/] ({data['precision']}) ...", soft_wrap=True)
+            choices = "; ".join(data[k] for k in ("precision", "checkpointing") if data.get(k))
+            console.print(f"loading models for [bold]{data['name']}[/] ({choices}) ...", soft_wrap=True)
         elif what == "resumed":
             console.print(f"resumed from {data['checkpoint']} at update {data['step']}")
         elif what == "start":

@@ -19,6 +19,7 @@ from ppo_cli.plan_memory import (
     suggestions,
     total_estimate,
 )
+from ppo_cli.plan_checkpointing import CheckpointingChoice, choose_gradient_checkpointing
 from ppo_cli.recipe import Recipe
 
 # --- the command ----------------------------------------------------------------------------------
@@ -33,6 +34,7 @@ class PlanResult:
     suggestions: list[Suggestion] = field(default_factory=list)
     prompt_note: str = ""
     precision: str = ""  # how train.mixed_precision resolves (PrecisionChoice.describe)
+    checkpointing: str = ""  # how train.gradient_checkpointing resolves (CheckpointingChoice.describe)
     filter_note: str = ""  # ppo.filter_groups: the extra rounds' time and memory (filter_rounds_note)
 
     @property
@@ -105,11 +107,73 @@ def run(recipe: Recipe, gpu_memory_gb: float | None = None, device: str | None =
     precision = planned_precision(recipe, device, getattr(torch, settings.dtype))
     settings = dataclasses.replace(settings, mixed_precision=precision.value, processes=processes, sharding=sharding)
     shapes = model_shapes(recipe)
+    memory, memory_source = (budget, source) if budget is not None else device_memory_gb(device)
+    checkpointing = choose_gradient_checkpointing(recipe.train.gradient_checkpointing,
+                                                  total_estimate(settings, shapes).lines, memory, memory_source)
+    settings = dataclasses.replace(settings, gradient_checkpointing=checkpointing.value)
     result = PlanResult(settings, total_estimate(settings, shapes), budget, source, prompt_note=note,
-                        precision=precision.describe(), filter_note=filter_rounds_note(recipe))
+                        precision=precision.describe(), checkpointing=checkpointing.describe(),
+                        filter_note=filter_rounds_note(recipe))
     if budget is not None and not result.fits:
         result.suggestions = suggestions(settings, shapes, budget)
     return result
+
+
+@dataclass(frozen=True)
+class RunChoices:
+    """What `ppo train` takes from the memory plan before it loads a model."""
+
+    checkpointing: CheckpointingChoice  # train.gradient_checkpointing resolved
+    heap_tuning: bool  # CPU: engine/malloc.keep_freed_memory (EngineOptions.cpu_malloc_tuning)
+    heap_reason: str  # e.g. 'heap tuning on (planned 1.46 GB + 10% <= 80% of 22.0 GB available)'; '' off CPU
+
+    def describe(self) -> str:
+        return self.checkpointing.describe() + (f"; {self.heap_reason}" if self.heap_reason else "")
+
+
+def planned_choices(recipe: Recipe, device: str, mixed_precision: str) -> RunChoices:
+    """train.gradient_checkpointing and the CPU heap tuning as a run on ``device`` with ``mixed_precision``
+    (resolved) takes them, from this plan against the device's memory: checkpointing true/false as
+    written, auto by plan_checkpointing.py's rule over the plan made with it off; the heap tuning by
+    engine/malloc.tuning_fits over the plan's peak as the run will compute. Reads the configs and the
+    prompts, loads no weights (a plan that cannot be made leaves checkpointing off and the heap alone)."""
+    import dataclasses
+
+    from ppo_cli.engine.malloc import tuning_fits
+
+    setting = recipe.train.gradient_checkpointing
+    try:
+        prompt_len, _ = prompt_tokens(recipe)
+        settings = settings_from_recipe(recipe, device, prompt_len, mixed_precision)
+        shapes = model_shapes(recipe)
+    except Exception as err:  # noqa: BLE001 - the load reports a bad model itself, with its own message
+        reason = f"no plan: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        return RunChoices(CheckpointingChoice(setting, setting is True, reason), False,
+                          "heap tuning off (no plan)" if device == "cpu" else "")
+    memory, source = device_memory_gb(device)
+    checkpointing = choose_gradient_checkpointing(setting, total_estimate(settings, shapes).lines, memory, source)
+    planned = total_estimate(dataclasses.replace(settings, gradient_checkpointing=checkpointing.value), shapes)
+    if device != "cpu":
+        return RunChoices(checkpointing, True, "")
+    on, why = tuning_fits(planned.total_gb, memory)
+    return RunChoices(checkpointing, on, why)
+
+
+def device_memory_gb(device: str) -> tuple[float | None, str]:
+    """(GB, where from) the run may use: the first GPU's memory; on CPU what the kernel says is available
+    now (MemAvailable: free memory and reclaimable caches); (None, '') where it cannot be read."""
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GB, torch.cuda.get_device_name(0)
+        return None, ""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024 / GB, "available memory"
+    except (OSError, KeyError, ValueError):
+        return None, ""
 
 
 def planned_precision(recipe: Recipe, device: str, weights_dtype):
@@ -152,6 +216,7 @@ def render(result: PlanResult):
         Text(f"micro-batch {s.micro_batch} x ({s.prompt_tokens} prompt tokens [{result.prompt_note}] + "
              f"{s.response_tokens} response tokens); rollout batch {s.rollout_batch}"),
         *([Text(result.precision)] if result.precision else []),
+        *([Text(result.checkpointing)] if result.checkpointing else []),
         *([Text(result.filter_note)] if result.filter_note else []),
         Text(f"peak = static {est.static_gb:.2f} GB + max(update {est.update_gb:.2f}, rollout {est.rollout_gb:.2f}) "
              f"= {est.total_gb:.2f} GB", style="bold"),

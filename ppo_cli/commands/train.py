@@ -202,7 +202,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
 
 
 def _finish(state, run_dir, before, after, merge: bool, started: float, observer=None,
-            full_state: dict | None = None, *, phase_peaks: dict[str, float]) -> dict:
+            full_state: dict | None = None, *, phase_peaks: dict[str, float], choices=None) -> dict:
     """final/, eval.json and summary.json, written by the main process (``full_state``: the gathered
     weights under FSDP, see save_policy_and_value; ``phase_peaks``: CUDA GB by phase, saving's added here)."""
     import torch
@@ -234,6 +234,9 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
         "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved ('auto' made concrete)
         "mixed_precision_choice": precision_record(state.dist.precision),
+        "gradient_checkpointing": engine.gradient_checkpointing,  # train.gradient_checkpointing resolved
+        "cpu_heap_tuning": engine.device.type == "cpu" and engine.options.cpu_malloc_tuning,  # engine/malloc.py
+        **({"memory_choices": choices.describe()} if choices is not None else {}),  # commands/plan.py planned_choices
         "seconds": time.perf_counter() - started, "peak_memory_gb": peak_memory_gb(), **numbers,
     }
     by_phase = {**phase_peaks, **state.memory_peaks}  # CUDA only: which phase set the peak
@@ -332,6 +335,8 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     from ppo_cli.checkpoint import gathered_model_state, load_policy_and_value, load_training_state, recorded_mixed_precision
     from ppo_cli.collectives import enter as enter_phase
+    from ppo_cli.commands.plan import planned_choices
+    from ppo_cli.engine.engine import EngineOptions
     from ppo_cli.distributed import Distributed
     from ppo_cli.engine.engine import load_engine
     from ppo_cli.evaluation import held_out
@@ -349,11 +354,16 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
 
     started = time.perf_counter()
     phase_peaks: dict[str, float] = {}  # CUDA only: the most memory each phase outside the updates held
+    choices = planned_choices(recipe, dist.device.type, dist.mixed_precision)
+    checkpointing = choices.checkpointing
     if dist.is_main:
-        show("loading", {"name": recipe.name, "precision": dist.precision.describe()})
+        show("loading", {"name": recipe.name, "precision": dist.precision.describe(),
+                         "checkpointing": choices.describe()})
     try:
         with memory_phase("loading the models"), phase_peak(dist.device, phase_peaks, "loading"):
-            engine = load_engine(recipe, dist.device, dist.mixed_precision)
+            engine = load_engine(recipe, dist.device, dist.mixed_precision, gradient_checkpointing=checkpointing.value,
+                                 # FSDP on CPU: the option hands each gathered block back (Distributed.prepare)
+                                 options=EngineOptions(cpu_malloc_tuning=choices.heap_tuning or dist.shards_parameters))
         if checkpoint is not None:  # before accelerate prepares the models: FSDP shards the loaded weights
             load_policy_and_value(engine.actor_critic, checkpoint)
         state = init_state(engine, prompts, dist)
@@ -390,7 +400,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
     # weights need no gathering; ZeRO-3 saves from the modules, gathered here by every process.
     with contextlib.nullcontext() if dist.shards_parameters else dist.full_parameters(state.model):
         summary = _finish(state, run_dir, before, after, merge, started, observer, full_state,
-                          phase_peaks=phase_peaks) if dist.is_main else {}
+                          phase_peaks=phase_peaks, choices=choices) if dist.is_main else {}
     dist.wait()
     engine.sampler.close()
     return TrainResult(run_dir.path, run_dir.final, summary)

@@ -107,24 +107,34 @@ def _value_head(hidden_size: int, device: torch.device, init_from: nn.Module | N
     return head.to(device=device, dtype=torch.float32)
 
 
-def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, nn.Module] | None = None) -> ActorCritic:
+# Non-reentrant checkpointing: a frozen base's layer inputs need no requires_grad for the LoRA
+# adapters inside the layer to get their gradients (peft's enable_input_require_grads is for the
+# reentrant kind), and keyword arguments (attention masks, position embeddings) pass through.
+CHECKPOINT_KWARGS = {"use_reentrant": False}
+
+
+def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, nn.Module] | None = None,
+                       gradient_checkpointing: bool = False) -> ActorCritic:
     """Load the policy (+LoRA), the reference and the value model as the recipe describes.
 
     ``loaded``: sequence-classification models already in memory (the reward's), by path. A frozen
     value model on one of them (value.train_backbone: false) shares its weights instead of a copy.
+    ``gradient_checkpointing``: train.gradient_checkpointing resolved, for the policy and a trained
+    value.kind model's backbone.
     """
     pol = recipe.policy
     dtype = resolve_dtype(pol.dtype, device)
     common = dict(device=device, trust_remote_code=pol.trust_remote_code, revision=pol.revision,
                   attn_implementation=pol.attn_implementation)
     policy = load_causal_lm(pol.path, pol.adapter, dtype=dtype, quantization=pol.quantization, **common)
-    if pol.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
     if pol.lora is not None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
         if pol.quantization != "none":
-            policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=pol.gradient_checkpointing)
+            policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=gradient_checkpointing,
+                                                     gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
         policy = get_peft_model(policy, peft_lora_config(pol.lora), adapter_name=POLICY_ADAPTER)
         # What adapter_config.json names as the base: the path or hub id as the recipe gave it, never
         # a path resolved on this machine (nor a temporary directory the merged model came from).
@@ -144,6 +154,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
 
     critic = CRITICS[value_kind(recipe)]()
     value_backbone, hidden, init_from = critic.build(recipe, policy, device, loaded or {}, common)
+    if gradient_checkpointing and value_backbone is not None and any(p.requires_grad for p in value_backbone.parameters()):
+        value_backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
     torch.manual_seed(recipe.seed)  # the value head's init is part of the run's seed
     if hidden is None:  # value.kind none: a NoCritic, no head
         model = ActorCritic(policy, critic, None, None, ref_model)

@@ -148,11 +148,15 @@ class AdapterCritic(Critic):
         return policy  # the policy's base, with the value adapter active
 
     def features(self, ac, sequences, attention_mask, response_len):
+        from ppo_cli.engine.generate import no_checkpointing
         from ppo_cli.engine.logprobs import backbone_hidden, response_slice
         from ppo_cli.engine.models import POLICY_ADAPTER
 
         ac.use_adapter(VALUE_ADAPTER)
-        hidden = backbone_hidden(ac.policy, sequences, attention_mask)
+        # Not checkpointed: the backward would recompute these layers with the adapter active then
+        # (the policy's), and the value adapter would get the policy adapter's gradients.
+        with no_checkpointing(ac.policy):
+            hidden = backbone_hidden(ac.policy, sequences, attention_mask)
         ac.use_adapter(POLICY_ADAPTER)
         return response_slice(hidden, response_len)
 
@@ -175,9 +179,8 @@ class AdapterCritic(Critic):
         static = [Line("value", "LoRA adapter + head", n * 4 / GB,
                        f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B")]
         B, L, r = s.micro_batch, s.prompt_tokens + s.response_tokens, lora.r
+        # never checkpointed (features): the recompute would run with the policy's adapter active
         per = policy.layers * activation_floats_per_token_layer(policy, False, r, L)
-        if s.gradient_checkpointing:
-            per = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, False, r, L)
         update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.dtype] / GB,
                        f"the critic's own forward: {B} x {L} tokens x {policy.layers} layers", "update")]
         return CriticMemory(static, update, n, 4.0)
@@ -248,8 +251,11 @@ class ModelCritic(Critic):
             return CriticMemory(static, [], head, 4.0)
         B, L = s.micro_batch, s.prompt_tokens + s.response_tokens
         per = value.layers * activation_floats_per_token_layer(value, True, lora.r if lora else 0, L)
+        if s.gradient_checkpointing:  # its backbone is checkpointed too (engine/actor_critic.py)
+            per = value.layers * value.hidden + activation_floats_per_token_layer(value, True, lora.r if lora else 0, L)
         update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.value_dtype] / GB,
-                       f"the critic's own forward: {B} x {L} tokens x {value.layers} layers", "update")]
+                       f"the critic's own forward: {B} x {L} tokens x {value.layers} layers"
+                       + (" (checkpointed)" if s.gradient_checkpointing else ""), "update")]
         return CriticMemory(static, update, value.total_params + head, DTYPE_BYTES[s.value_dtype])
 
 

@@ -74,6 +74,7 @@ class Engine:
     # the reward model whose backbone is the frozen critic's: one forward gives scores and features
     shared_reward: SharedRewardModel | None = None
     options: EngineOptions = EngineOptions()
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing resolved (load_engine)
 
     @property
     def pad_token_id(self) -> int:
@@ -370,10 +371,12 @@ def quiet_libraries() -> None:
 
 
 def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precision: str | None = None,
-                options: EngineOptions = EngineOptions()) -> Engine:
+                options: EngineOptions = EngineOptions(), gradient_checkpointing: bool | None = None) -> Engine:
     """Tokenizer, policy/reference/value and reward for ``recipe``; ``device`` is this process's
     (accelerate's) device when several processes train, else resolved from train.device;
-    ``mixed_precision`` the run's (Distributed.mixed_precision), else train.mixed_precision resolved."""
+    ``mixed_precision`` the run's (Distributed.mixed_precision), else train.mixed_precision resolved;
+    ``gradient_checkpointing`` the run's (commands/plan.py's planned_checkpointing resolves auto from the
+    memory plan), else train.gradient_checkpointing's true/false, and off for auto (inference needs none)."""
     quiet_libraries()
     device = device or resolve_device(recipe.train.device)
     mixed_precision = mixed_precision or recipe_mixed_precision(recipe, device)
@@ -387,9 +390,11 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
     check_value_model_tokenizer(recipe)
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data),
-                         max_new_tokens=recipe.generation.max_new_tokens)
+                         max_new_tokens=recipe.generation.max_new_tokens, mixed_precision=mixed_precision)
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
-    actor_critic = build_actor_critic(recipe, device, reward_models)
+    if gradient_checkpointing is None:
+        gradient_checkpointing = recipe.train.gradient_checkpointing is True
+    actor_critic = build_actor_critic(recipe, device, reward_models, gradient_checkpointing)
     if device.type == "cpu":
         for model in [actor_critic.policy, actor_critic.ref_model, *reward_models.values()]:
             if model is not None and is_quantized(model):
@@ -397,7 +402,8 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     sampler = make_sampler(recipe, device, actor_critic.policy, stop_token_id, tokenizer.pad_token_id, mixed_precision,
                            tokenizer=tokenizer, columns_for=reward.columns_for)
     return Engine(recipe, device, tokenizer, actor_critic, reward, stop_token_id, sampler, mixed_precision,
-                  shared_reward=SharedRewardModel.find(reward, actor_critic), options=options)
+                  shared_reward=SharedRewardModel.find(reward, actor_critic), options=options,
+                  gradient_checkpointing=gradient_checkpointing)
 
 
 def own_unquantized_tensors(model: torch.nn.Module) -> None:

@@ -75,7 +75,8 @@ def without_hub_generation_defaults(model):
 
 @contextlib.contextmanager
 def no_checkpointing(model):
-    """Gradient checkpointing off for the duration of a generate() call.
+    """Gradient checkpointing off inside: for a generate() call, and for the value adapter's forward
+    (engine/critics.py: its recompute would run under another adapter).
 
     transformers drops the KV cache inside a checkpointed layer in train mode (the policy always is:
     see models.py), so with checkpointing on, generate() would attend over the newest token only.

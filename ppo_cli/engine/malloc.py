@@ -1,7 +1,8 @@
 """CPU: glibc malloc tuned for training (mallopt, malloc_trim through ctypes).
 
 Each function is a no-op off glibc. Whether to tune at all is the caller's choice
-(EngineOptions.cpu_malloc_tuning: load_engine, and Distributed.prepare under FSDP).
+(EngineOptions.cpu_malloc_tuning: load_engine, and Distributed.prepare under FSDP); `ppo train` takes it
+from ``tuning_fits`` over the memory plan.
 """
 
 from __future__ import annotations
@@ -23,6 +24,29 @@ def _tunable_libc():
 def _mallopt():
     """glibc's mallopt, where malloc may be tuned (_tunable_libc); None otherwise (musl has none)."""
     return getattr(_tunable_libc(), "mallopt", None)
+
+
+# What keep_freed_memory may add to a run's peak resident memory, as a share of the plan's peak:
+# measured +2.7% on the tiny models, +3-5% at the 0.5B shape, SmolLM2 in docs/memory.md ("The glibc
+# heap tuning"); rounded up so that the rule errs on the side of the user's memory.
+TUNING_PEAK_SHARE = 0.10
+# The share of the memory available at start a tuned run may plan to use: the rest stays the machine's.
+TUNING_MEMORY_SHARE = 0.8
+
+
+def tuning_fits(planned_peak_gb: float | None, available_gb: float | None) -> tuple[bool, str]:
+    """(keep_freed_memory on?, why): on where the plan's peak with the tuning's extra still leaves a fifth
+    of the memory available at start free; off where it would not, or where either is unknown (the
+    tuning buys time with memory the user did not offer). Pure: numbers in, a choice out."""
+    if planned_peak_gb is None or available_gb is None:
+        return False, "heap tuning off (the plan or the available memory is unknown)"
+    tuned = planned_peak_gb * (1 + TUNING_PEAK_SHARE)
+    room = available_gb * TUNING_MEMORY_SHARE
+    if tuned <= room:
+        return True, f"heap tuning on (planned {planned_peak_gb:.2f} GB + {TUNING_PEAK_SHARE:.0%} <= " \
+                     f"{TUNING_MEMORY_SHARE:.0%} of {available_gb:.1f} GB available)"
+    return False, f"heap tuning off (planned {planned_peak_gb:.2f} GB + {TUNING_PEAK_SHARE:.0%} > " \
+                  f"{TUNING_MEMORY_SHARE:.0%} of {available_gb:.1f} GB available)"
 
 
 # glibc's mallopt parameters (malloc.h) and its defaults on 64-bit Linux.

@@ -456,3 +456,14 @@ def test_plan_notes_the_filter_rounds(tmp_path):
         "ppo.filter_groups: 1 to 3 rollouts per update (at most 3 x 64 episodes sampled and scored, 3 x the "
         "rollout's time); memory as one rollout: a round is let go once its kept groups are copied, and at most "
         "rollout_batch_size groups are kept")
+
+
+def test_a_reward_model_forward_is_counted_in_the_runs_autocast_dtype(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    # 64 rows: the reward's forward, min(32, 64) x 10 tokens x (3 x 32 + 4 x 16) values, is the largest
+    big = dict(rollout_batch=64, rewards=(("float32", "none", 32),))
+    full = parts(estimate(settings(**big), shape, None, [reward]))["rollout", "no-grad forward working set"]
+    half = parts(estimate(settings(**big, mixed_precision="bf16"), shape, None, [reward]))["rollout", "no-grad forward working set"]
+    assert full == pytest.approx(32 * 10 * (3 * 32 + 4 * 16) * 4)
+    assert half == pytest.approx(32 * 10 * (3 * 32 + 4 * 16) * 2)  # bf16 autocast: 2 B a value

@@ -10,8 +10,8 @@ head at the token the reward model pools gives that row's reward. Rows whose ids
 tokens that tokenise another way, truncation at the reward's max_length, a special token the decoding
 dropped mid-response) are scored by the reward model's own forward, as before.
 
-The forward runs outside mixed-precision autocast, as the reward model's own does, so scores are the
-reward model's; the critic's frozen features then come from the same float forward.
+The forward runs under the run's autocast, as the reward model's own does (ModelScorer.autocast), so
+a row's score is the same whichever forward gives it; the critic's frozen features come from it too.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ class SharedRewardModel:
         sequences, attention_mask = generation.sequences, generation.attention_mask
         features, scores = [], []
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
-            hidden = backbone_hidden(model.base_model, sequences[rows], attention_mask[rows])
+            at = positions[rows.cpu()].to(sequences.device)
+            with self.scorer.autocast():
+                hidden = backbone_hidden(model.base_model, sequences[rows], attention_mask[rows])
+                pooled = hidden[torch.arange(len(rows), device=hidden.device), at.clamp(min=0)]
+                values = model.score(pooled).float()[:, 0].tolist()
             features.append(response_slice(hidden, T).clone())
-            at = positions[rows.cpu()].to(hidden.device)
-            pooled = hidden[torch.arange(len(rows), device=hidden.device), at.clamp(min=0)]
-            values = model.score(pooled).float()[:, 0].tolist()
             scores += [value if p >= 0 else None for value, p in zip(values, at.tolist())]
         return SharedForward(torch.cat(features), scores, self.index)

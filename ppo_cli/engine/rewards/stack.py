@@ -55,11 +55,12 @@ class RewardStack:
 
     def __init__(self, config: RewardConfig, device: torch.device, system_prompt: str | None = None,
                  columns: PromptColumns | Callable[[], PromptColumns] | None = None,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, mixed_precision: str = "no"):
         """``system_prompt``: the recipe's data.system_prompt, part of the conversation a
         ``text: conversation`` component reads. ``columns``: the prompts' other dataset columns, or
         what reads them (called the first time a component asks). ``max_new_tokens``:
-        generation.max_new_tokens, where the overlong penalty (reward.overlong_buffer) is full."""
+        generation.max_new_tokens, where the overlong penalty (reward.overlong_buffer) is full.
+        ``mixed_precision``: the run's, for the components whose models compute under it (ModelScorer)."""
         if config.overlong_buffer > 0 and max_new_tokens is None:
             raise ValueError("reward.overlong_buffer needs generation.max_new_tokens")
         self.config = config
@@ -69,6 +70,8 @@ class RewardStack:
         self.scorers = []
         for index, component in enumerate(config.components):
             scorer = REWARD_TYPES[component.type].Scorer(component, device, system_prompt)
+            if hasattr(scorer, "mixed_precision"):
+                scorer.mixed_precision = mixed_precision
             self.scorers.append((_component_name(component, index, taken), component.weight, scorer))
 
     @property

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Peak resident memory of a short `ppo train`, with the glibc heap tuning on or off.
+
+    python benchmarks/peak_rss.py RECIPE [--malloc on|off] [--set KEY=VALUE ...]
+
+Runs `ppo train RECIPE --set ...` in this process (the CLI's own code path: recipe, plan-driven
+choices, engine, trainer) and prints one JSON line: the recipe, the overrides, the malloc setting,
+the peak RSS (``ru_maxrss``, GB) and the wall seconds. ``--malloc off`` replaces
+engine/malloc.keep_freed_memory with nothing before the engine loads (glibc's own thresholds), whatever
+train.cpu_malloc_tuning says; ``on`` (default) leaves the run's own choice. Run each setting in a fresh
+process: the peak is the process's. Never imported by ppo_cli or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe")
+    parser.add_argument("--malloc", choices=("on", "off"), default="on")
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    args = parser.parse_args()
+    import ppo_cli.engine.engine as engine_module
+
+    if args.malloc == "off":
+        engine_module.keep_freed_memory = lambda: None
+    from ppo_cli.cli import main as cli_main
+
+    argv = ["train", args.recipe, "--overwrite"] + [a for s in args.sets for a in ("--set", s)]
+    started = time.perf_counter()
+    sys.argv = ["ppo", *argv]
+    code = 0
+    try:
+        cli_main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux -> GB
+    print(json.dumps({"recipe": args.recipe, "sets": args.sets, "malloc": args.malloc, "exit": code,
+                      "peak_rss_gb": round(peak, 3), "wall_s": round(time.perf_counter() - started, 1)}))
+
+
+if __name__ == "__main__":
+    main()
