@@ -90,7 +90,7 @@ def per_update(marks: list[float]) -> list[float]:
 def ours_recipe(args) -> dict:
     episodes = SHAPE["prompts"] * SHAPE["generations"]
     return {
-        "name": "bench-vs-trl116-grpo", "seed": args.seed, "output_dir": str(ROOT / ".cache" / "bench" / "runs"),
+        "name": f"bench-vs-trl116-grpo-{args.tag}", "seed": args.seed, "output_dir": str(ROOT / ".cache" / "bench" / "runs"),
         "policy": {"path": str(SMOLLM2), "dtype": "float32",
                    "lora": {"r": SHAPE["lora_r"], "alpha": SHAPE["lora_alpha"], "target_modules": "all-linear"}},
         "reward": {"components": [{"type": "function", "function": str(ROOT / "recipes/rewards/concise.py") + ":concise"}]},
@@ -126,21 +126,26 @@ def cmd_ours(args) -> None:
     def timed_step(state):
         tracer.next_update()
         if not marks:
-            precision["mixed_precision"] = str(state.engine.precision) if hasattr(state.engine, "precision") else None
+            precision["mixed_precision"] = state.engine.mixed_precision  # train.mixed_precision resolved
+            precision["gradient_checkpointing"] = state.recipe.policy.gradient_checkpointing
             marks.append(time.perf_counter()), cpu_marks.append(time.process_time())
         out = step(state)
         marks.append(time.perf_counter()), cpu_marks.append(time.process_time())
         return out
 
     trainer.train_step = timed_step
-    path = ROOT / ".cache" / "bench" / "recipes" / "bench-vs-trl116-grpo.yaml"
+    path = ROOT / ".cache" / "bench" / "recipes" / f"bench-vs-trl116-grpo-{args.tag}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(ours_recipe(args), sort_keys=False))
+    recipe = ours_recipe(args)
+    for item in args.set:  # section.key=value, as `ppo train --set`
+        dotted, value = item.split("=", 1)
+        section, key = dotted.split(".")
+        recipe.setdefault(section, {})[key] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     started = time.perf_counter()
     result = run(load_recipe(path), recipe_path=path, overwrite=True)
     tracer.stop()
-    summary = json.loads((result.run_dir / "summary.json").read_text()) if (result.run_dir / "summary.json").exists() else {}
-    write(args, "ours", {"command": f"ppo train {path} --overwrite", "precision": summary.get("precision", precision),
+    write(args, "ours", {"command": f"ppo train {path} --overwrite", "precision": precision,
                          "seconds_per_update": per_update(marks), "cpu_seconds_per_update": per_update(cpu_marks),
                          "total_s": time.perf_counter() - started}, tracer)
 
@@ -312,6 +317,8 @@ def main(argv=None) -> int:
         p.add_argument("--tag", default="smollm2")
         if name == "ours":
             p.add_argument("--mixed-precision", default=None, help="override ours' default (auto)")
+            p.add_argument("--set", action="append", default=[], help="section.key=value in ours' recipe, e.g. "
+                           "policy.gradient_checkpointing=true (a lever, not a default)")
         if name == "compare":
             p.add_argument("--rounds", type=int, default=2)
     p = sub.add_parser("report")
