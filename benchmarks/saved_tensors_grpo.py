@@ -65,6 +65,7 @@ def main(argv=None) -> int:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.train()  # as ppo_cli's policy (dropout is 0): transformers checkpoints layers only in train mode
     L = args.prompt_tokens + args.new_tokens
     ids = torch.randint(0, cfg.vocab_size, (args.rows, L))
     mask = torch.ones_like(ids)
