@@ -104,11 +104,13 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
-def steps_overlap_sampling(environment: EnvironmentConfig) -> bool:
-    """environment.overlap resolved: ``auto`` is true for type http (every step is a request over the network),
-    false for tools and python. From the recipe alone, never from a timing, so a seed gives the same episodes."""
+def steps_overlap_sampling(environment: EnvironmentConfig, environment_class=None) -> bool:
+    """environment.overlap resolved. ``auto``: true only for a type python class that declares its steps slow
+    (a class attribute ``slow_steps = True``), false otherwise. From the recipe and the class alone, never from a
+    timing, so a seed gives the same episodes. Why not on by default: two half batches sample each turn, which
+    costs up to twice a full batch's time where sampling does not grow with the batch (a small model, a GPU)."""
     if environment.overlap == "auto":
-        return environment.type == "http"
+        return environment.type == "python" and getattr(environment_class, "slow_steps", False) is True
     return environment.overlap
 
 
@@ -270,7 +272,7 @@ class MultiTurnSampler:
         # and state last across turns); this thread samples (torch) and does all the tokenizer's work.
         steps = StepRunner()
         environments: list = [None] * len(episodes)
-        runs = [WaveRun(rows) for rows in waves(len(episodes), steps_overlap_sampling(self.environment))]
+        runs = [WaveRun(rows) for rows in waves(len(episodes), steps_overlap_sampling(self.environment, self.factory.environment_class))]
         try:
             steps.run(self._reset(episodes, starts, environments))
             policy_logprobs = True

@@ -27,14 +27,14 @@ def guess_server():
     server.server_close()
 
 
-@pytest.mark.parametrize("overlap", ["auto", False])
+@pytest.mark.parametrize("overlap", [True, False])
 def test_http_episodes_reset_step_and_close_on_the_server(chatml, guess_server, overlap):
     seed = 11
     number = random.Random(seed).randint(1, 10)
     wrong = "1" if number != 1 else "2"
     url = f"http://127.0.0.1:{guess_server.server_address[1]}"
-    # overlap auto is on for http: two waves of one episode each, sampled in turn; off: one batch per turn.
-    turns = [[str(number)], [wrong], [wrong]] if overlap == "auto" else [[str(number), wrong], [wrong]]
+    # overlap: two waves of one episode each, sampled in turn; off: one batch per turn.
+    turns = [[str(number)], [wrong], [wrong]] if overlap else [[str(number), wrong], [wrong]]
     result, inner, _ = run(chatml, {"type": "http", "url": url, "timeout_s": 5, "max_turns": 2, "overlap": overlap},
                            turns, ["Guess.", "Guess."], seeds=[seed, seed])
     assert [len(rows) for rows, _ in inner.calls] == [len(texts) for texts in turns]

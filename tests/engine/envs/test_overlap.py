@@ -65,15 +65,36 @@ def test_waves_are_the_first_half_rounded_up_and_the_rest():
     assert waves(5, overlap=False) == [[0, 1, 2, 3, 4]]
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({"type": "http", "url": "http://127.0.0.1:8080"}, True),
-    (TOOLS, False),
-    ({"type": "python", "class": "recipes/envs/guess.py:GuessNumber"}, False),
-    ({**TOOLS, "overlap": True}, True),
-    ({"type": "http", "url": "http://127.0.0.1:8080", "overlap": False}, False),
+class DeclaresSlowSteps:
+    slow_steps = True
+
+
+class DeclaresNothing:
+    pass
+
+
+PYTHON = {"type": "python", "class": "recipes/envs/guess.py:GuessNumber"}
+HTTP = {"type": "http", "url": "http://127.0.0.1:8080"}
+
+
+@pytest.mark.parametrize("settings, environment_class, expected", [
+    (PYTHON, DeclaresSlowSteps, True),  # auto: on only where the class declares its steps slow
+    (PYTHON, DeclaresNothing, False),
+    (HTTP, None, False),
+    (TOOLS, None, False),
+    ({**PYTHON, "overlap": False}, DeclaresSlowSteps, False),  # true and false decide
+    ({**TOOLS, "overlap": True}, None, True),
+    ({**HTTP, "overlap": True}, None, True),
 ])
-def test_overlap_auto_is_on_for_http_only_and_true_or_false_decide(settings, expected):
-    assert steps_overlap_sampling(EnvironmentConfig.model_validate(settings)) is expected
+def test_overlap_auto_is_on_only_for_a_class_declaring_slow_steps(settings, environment_class, expected):
+    assert steps_overlap_sampling(EnvironmentConfig.model_validate(settings), environment_class) is expected
+
+
+def test_overlap_reads_true_false_and_auto_from_the_recipe():
+    assert [EnvironmentConfig.model_validate({**TOOLS, **extra}).overlap for extra in
+            ({}, {"overlap": "auto"}, {"overlap": True}, {"overlap": False})] == ["auto", "auto", True, False]
+    with pytest.raises(ValueError, match="overlap"):
+        EnvironmentConfig.model_validate({**TOOLS, "overlap": "sometimes"})
 
 
 # Five tool episodes of 1 to 3 turns: a valid call, wrong arguments, malformed calls, none.
@@ -129,6 +150,7 @@ HANDSHAKE = '''
 import threading
 
 class Handshake:
+    slow_steps = True  # overlap: auto turns on
     stepping = threading.Event()  # a step of wave 1 has begun
     sampled = threading.Event()   # wave 2 was sampled meanwhile
     def reset(self, row, seed):
@@ -141,8 +163,9 @@ class Handshake:
 
 
 def test_one_waves_steps_run_while_the_other_wave_samples(chatml, tmp_path):
-    """Episode 0's step (wave 1) waits until wave 2 has been sampled, and wave 2 is sampled only once that step
-    has begun: without overlap the step would wait in vain and give reward 0 (nothing is timed)."""
+    """overlap: auto, on since the class declares slow_steps. Episode 0's step (wave 1) waits until wave 2 has
+    been sampled, and wave 2 is sampled only once that step has begun: without overlap the step would wait in
+    vain and give reward 0 (nothing is timed)."""
     (tmp_path / "handshake.py").write_text(HANDSHAKE)
     path = f"{tmp_path}/handshake.py"
     module: dict = {}
@@ -154,7 +177,7 @@ def test_one_waves_steps_run_while_the_other_wave_samples(chatml, tmp_path):
             assert handshake.stepping.wait(20)
             handshake.sampled.set()
 
-    result, inner = run(chatml, {"type": "python", "class": f"{path}:Handshake", "overlap": True, "timeout_s": 30},
+    result, inner = run(chatml, {"type": "python", "class": f"{path}:Handshake", "timeout_s": 30},
                         [["5"], ["6"]], before_call=before_call)
     assert inner.episode_calls == [[0], [1]]
     assert [(r.ended_by, r.step_reward) for r in result.episodes] == [("done", 1.0), ("done", 1.0)]
