@@ -11,8 +11,8 @@ import torch
 
 from ppo_cli.engine.envs.environments import EnvironmentFactory
 from ppo_cli.engine.envs.metrics import episode_metrics
-from ppo_cli.engine.envs.multi_turn import (EpisodeStart, MultiTurnSampler, group_reset_seeds, left_pad,
-                                            steps_overlap_sampling, waves)
+from ppo_cli.engine.envs.multi_turn import EpisodeStart, MultiTurnSampler, group_reset_seeds, left_pad
+from ppo_cli.engine.envs.overlap import steps_overlap_sampling, waves
 from ppo_cli.errors import EnvironmentFailed
 from ppo_cli.recipe import EnvironmentConfig
 from tests.engine.envs.conftest import ScriptedSampler
