@@ -3,14 +3,15 @@
 (tests/fixtures/tiny_tools.py) in episodes with a simulated user whose every step sleeps (``SlowUser``
 below: a remote game or an LLM-backed user, say), overlap off against on, in one process, alternating.
 
-    python benchmarks/bench_env_overlap.py --delay 0.3 --prompts 4 --repeats 3
+    python benchmarks/bench_env_overlap.py --delays 0,0.3 --prompts 2 --repeats 3
+    python benchmarks/bench_env_overlap.py --delays 0,0.5,2 --prompts 16 --repeats 2
 
 Each rollout: --prompts prompts of recipes/data/tiny_tools.jsonl x 8 episodes (generation.num_generations),
---turns assistant turns at most, every step sleeping --delay seconds (max_concurrency 256: the steps of
+--turns assistant turns at most, every step sleeping each of --delays seconds in turn (max_concurrency 256: the steps of
 one turn run at once, so a turn's steps take about one delay). Off: sample all, then step all, per turn.
 On: two waves of half the episodes, one's steps running while the other samples. The same torch seed
 before every rollout. Prints seconds per rollout for each and the ratio on / off, first with steps that
-take no time (what sampling in two half batches costs), then with --delay; on a shared machine compare
+take no time (what sampling in two half batches costs), then the other delays; on a shared machine compare
 numbers of one invocation only. Never imported by ppo_cli or its tests.
 """
 
@@ -52,7 +53,7 @@ def make_sampler(recipe, policy, tokenizer):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--delay", type=float, default=0.3, help="seconds each environment step sleeps")
+    ap.add_argument("--delays", default="0,0.3", help="seconds each environment step sleeps, comma-separated")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout (x 8 episodes)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="rollouts per setting, alternating off / on")
@@ -70,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as recipes/tiny_tools.yaml's train.num_threads
     models = built_tiny_tools() / "policy"
     tokenizer = AutoTokenizer.from_pretrained(models)
-    policy = AutoModelForCausalLM.from_pretrained(models, torch_dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(models, dtype=torch.float32).eval()
     rows = [json.loads(line) for line in (ROOT / "recipes/data/tiny_tools.jsonl").read_text().splitlines()[: args.prompts]]
     prompts = [row["prompt"] for row in rows for _ in range(8)]
     print(f"{len(prompts)} episodes, up to {args.turns} turns, torch threads 1; seconds per rollout, median of "
           f"{args.repeats} (turns sampled)")
-    # Delay 0 first: what splitting the batch in two costs the sampling alone (two half-batch generates a turn).
-    for delay in (0.0, args.delay):
+    # Delay 0: what splitting the batch in two costs the sampling alone (two half-batch generates a turn).
+    for delay in (float(d) for d in args.delays.split(",")):
         samplers = {}
         for overlap in ("false", "true"):
             environment = (f"{{type: python, class: '{Path(__file__).resolve()}:SlowUser', kwargs: {{delay: {delay}}}, "

@@ -183,9 +183,9 @@ class EnvironmentFactory:
         self.observation_role = "tool" if environment.type == "tools" else "user"
         self.environment_class = None
         if environment.type == "python":
-            name = environment.class_.rpartition(":")[2]
+            define = f"define class {environment.class_.rpartition(':')[2]} with reset(self, row, seed) and step(self, message)"
             self.environment_class = import_named(environment.class_, "environment class", EnvironmentSetupError,
-                                                  define=f"define class {name} with reset(self, row, seed) and step(self, message)")
+                                                  define=define)
             if not inspect.isclass(self.environment_class) or not all(
                     callable(getattr(self.environment_class, method, None)) for method in ("reset", "step")):
                 raise EnvironmentSetupError(f"environment class '{environment.class_}' is not a class with reset and step",

@@ -8,11 +8,12 @@ turns), and the environment's delta (episode.py) is appended. With ``environment
 runs as two waves, its first and second half: while one wave's environments step, the other wave
 samples, in a fixed order (wave 1 samples, wave 2 samples, wave 1's steps are waited for, wave 1
 samples, ...), so what is sampled never depends on how long a step took. Sampling and every use of the
-tokenizer stay in the calling thread; only the environments' calls run on the loop.
-The result is a ``Sampled`` whose Generation's response
-is every token after the prompt: ``response_mask`` on all of them (attended), ``action_mask`` on the
-policy's sampled tokens only (trained), holes where the environment spoke; ``finished`` per episode (its
-last turn ended with the stop token). Beside it, ``episodes``: one EpisodeRecord per row.
+tokenizer stay in the calling thread; only the environments' calls run on the loop (overlap.py).
+
+The result is a ``Sampled`` whose Generation's response is every token after the prompt:
+``response_mask`` on all of them (attended), ``action_mask`` on the policy's sampled tokens only
+(trained), holes where the environment spoke; ``finished`` per episode (its last turn ended with the
+stop token). Beside it, ``episodes``: one EpisodeRecord per row.
 
 An episode whose reset gave messages starts from a longer prompt: those messages are rendered into its
 prompt (nothing is sampled yet, so nothing sampled is re-tokenized); ``generation.prompt_ids`` is then
@@ -204,7 +205,8 @@ class MultiTurnSampler:
         # and state last across turns); this thread samples (torch) and does all the tokenizer's work.
         steps = StepRunner()
         environments: list = [None] * len(episodes)
-        runs = [WaveRun(rows) for rows in waves(len(episodes), steps_overlap_sampling(self.environment, self.factory.environment_class))]
+        overlap = steps_overlap_sampling(self.environment, self.factory.environment_class)
+        runs = [WaveRun(rows) for rows in waves(len(episodes), overlap)]
         try:
             steps.run(self._reset(episodes, starts, environments))
             policy_logprobs = True
