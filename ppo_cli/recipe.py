@@ -724,6 +724,12 @@ class EnvironmentConfig(Section):
         128, gt=0, description="An environment message longer than this is cut in the middle (head and tail kept).",
     )
     max_concurrency: int = Field(8, ge=1, description="Episodes whose steps run at once.")
+    overlap: bool | Literal["auto"] = Field(
+        "auto", description="true: the batch's episodes run as two waves (its first and second half), one wave's "
+        "environment steps running while the other wave samples; false: every episode samples, then every one steps. "
+        "auto: true for a type python class that declares slow_steps = True, else false. Decided by the recipe and the "
+        "class, never by a timing: a seed gives the same episodes run after run.",
+    )
     tool_call_format: Literal["auto", "hermes"] = Field(
         "auto", description="auto: the chat template's own when it writes hermes calls (or has no tool format); hermes: "
         '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.',

@@ -68,14 +68,14 @@ def recipe_files(tmp_path_factory) -> Path:
     return folder
 
 
-def _sets(policy: Path, files: Path, out: Path, **extra) -> list[str]:
+def _sets(policy: Path, files: Path, out: Path, overlap: bool = False, **extra) -> list[str]:
     sets = {
         "name": "mt", "output_dir": str(out), "policy.path": str(policy),
         "reward.components": f"[{{type: function, function: '{files / 'length.py'}:length'}}]",
         "data.prompts": str(ROOT / "recipes/prompts/reviews.txt"),
         "data.eval_prompts": str(ROOT / "recipes/prompts/reviews_eval.txt"),
         "environment": f"{{type: python, class: '{files / 'critic_env.py'}:Critic', max_turns: 3, "
-                       f"max_episode_tokens: 64}}",
+                       f"max_episode_tokens: 64{', overlap: true' if overlap else ''}}}",
         "generation.max_new_tokens": 16, "generation.stop_token": ".", "train.total_updates": 1,
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
         **extra,
@@ -254,9 +254,10 @@ def test_ppo_compare_shows_turns_and_keeps_the_transcripts(chat_policy, recipe_f
     assert row["a_turns"] == sum(m["role"] == "assistant" for m in row["a_messages"])
 
 
-def test_a_resumed_run_with_an_environment_equals_the_uninterrupted_one(chat_policy, recipe_files, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resumed_run_with_an_environment_equals_the_uninterrupted_one(chat_policy, recipe_files, tmp_path, overlap):
     """The reset seeds come from torch's random state, which a checkpoint keeps: update 2 after a resume
-    samples the same episodes and gives the same numbers."""
+    samples the same episodes and gives the same numbers; with overlap too (its waves are fixed, not timed)."""
     def metrics(run: Path) -> list[dict]:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "tokens_per_s"))} for row in rows]
@@ -264,13 +265,15 @@ def test_a_resumed_run_with_an_environment_equals_the_uninterrupted_one(chat_pol
     base = {"generation.num_generations": 2, "ppo.mini_batch_size": 8, "value.kind": "none", "ppo.advantage": "grpo",
             "train.save_every": 1}
     whole = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
-                                *_sets(chat_policy, recipe_files, tmp_path / "whole", **base, **{"train.total_updates": 2})])
+                                *_sets(chat_policy, recipe_files, tmp_path / "whole", overlap, **base,
+                                      **{"train.total_updates": 2})])
     assert whole.exit_code == 0, whole.output
     first = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
-                                *_sets(chat_policy, recipe_files, tmp_path / "parts", **base)])
+                                *_sets(chat_policy, recipe_files, tmp_path / "parts", overlap, **base)])
     assert first.exit_code == 0, first.output
     resumed = runner.invoke(app, ["train", str(ROOT / "recipes/tiny_sentiment.yaml"),
-                                  *_sets(chat_policy, recipe_files, tmp_path / "parts", **base, **{"train.total_updates": 2}),
+                                  *_sets(chat_policy, recipe_files, tmp_path / "parts", overlap, **base,
+                                         **{"train.total_updates": 2}),
                                   "--resume", "latest"])
     assert resumed.exit_code == 0, resumed.output
     assert metrics(tmp_path / "parts" / "mt") == metrics(tmp_path / "whole" / "mt")

@@ -18,7 +18,8 @@ RECIPE = ROOT / "recipes" / "smollm2_follow_up.yaml"
 
 
 def test_one_update_of_the_follow_up_recipe_runs_the_simulated_user(smollm2, tmp_path, monkeypatch):
-    from ppo_cli.engine.envs.calls import import_named
+    from ppo_cli.engine.user_code import import_named
+    from ppo_cli.errors import EnvironmentSetupError
     from ppo_cli.engine.rewards.function import load_reward_function
 
     monkeypatch.chdir(ROOT)  # the recipe names its environment, reward and prompts relative to the repository
@@ -36,7 +37,7 @@ def test_one_update_of_the_follow_up_recipe_runs_the_simulated_user(smollm2, tmp
     assert ended == pytest.approx(1.0)
     # Every episode that got a second turn heard one of the user's follow-ups, and its sampled
     # transcript scores by the reward function as the run scored it (less the missing-EOS penalty).
-    requests = import_named(f"{ROOT}/recipes/envs/follow_up.py:REQUESTS", "requests")
+    requests = import_named(f"{ROOT}/recipes/envs/follow_up.py:REQUESTS", "requests", EnvironmentSetupError)
     follow_up = load_reward_function(f"{ROOT}/recipes/rewards/follow_up.py:follow_up")
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples

@@ -1,7 +1,6 @@
-"""Calling the user's code: importing a named function or class, and calling it with a deadline.
+"""Calling the user's code (imported by engine/user_code.py) with a deadline.
 
-``import_named('path/to/file.py:name')`` imports the file only when a recipe names it (as function
-rewards are). ``call_bounded(fn, *args, timeout_s=...)`` awaits an ``async def`` with asyncio.wait_for
+``call_bounded(fn, *args, timeout_s=...)`` awaits an ``async def`` with asyncio.wait_for
 and runs a plain ``def`` in a daemon thread of its own: a call past its deadline is abandoned (a thread
 cannot be killed; it runs on until it returns) and never holds up the event loop's shutdown, as the
 default executor's threads would (asyncio.run waits for them).
@@ -10,43 +9,9 @@ default executor's threads would (asyncio.run waits for them).
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import sys
 import threading
-from pathlib import Path
 from typing import Any, Callable
-
-from ppo_cli.errors import EnvironmentSetupError
-
-
-def import_named(spec: str, what: str) -> Any:
-    """The object ``spec`` ('package.module:name' or 'path/to/file.py:name') names; ``what`` says what it
-    is in the error line ("tool", "environment class")."""
-    target, _, name = spec.rpartition(":")
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise EnvironmentSetupError(f"{what} file not found: {target}", hint="paths are relative to the current directory")
-            module_name = f"ppo_env_{abs(hash(str(path.resolve())))}"
-            module = sys.modules.get(module_name)
-            if module is None:
-                module_spec = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(module_spec)
-                module_spec.loader.exec_module(module)
-                sys.modules[module_name] = module
-        else:
-            module = importlib.import_module(target)
-    except EnvironmentSetupError:
-        raise
-    except Exception as err:  # the user's module raised while importing
-        raise EnvironmentSetupError(f"cannot import {what} module '{target}': {type(err).__name__}: {err}") from err
-    found = getattr(module, name, None)
-    if found is None:
-        raise EnvironmentSetupError(f"'{target}' has no {what} '{name}'", hint=f"define {name} in {target}")
-    return found
 
 
 async def call_bounded(fn: Callable, *args, timeout_s: float, **kwargs) -> Any:

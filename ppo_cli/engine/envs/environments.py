@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_cli.engine.rewards.remote import Policy, RemoteFailure, Secrets, new_client, request_json
-from ppo_cli.engine.envs.calls import call_bounded, import_named
+from ppo_cli.engine.envs.calls import call_bounded
 from ppo_cli.engine.envs.tool_calls import parse_tool_calls
 from ppo_cli.engine.envs.tools import Tool, call_tool, load_tools
+from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import EnvironmentSetupError
 from ppo_cli.recipe import EnvironmentConfig
 
@@ -182,7 +183,9 @@ class EnvironmentFactory:
         self.observation_role = "tool" if environment.type == "tools" else "user"
         self.environment_class = None
         if environment.type == "python":
-            self.environment_class = import_named(environment.class_, "environment class")
+            define = f"define class {environment.class_.rpartition(':')[2]} with reset(self, row, seed) and step(self, message)"
+            self.environment_class = import_named(environment.class_, "environment class", EnvironmentSetupError,
+                                                  define=define)
             if not inspect.isclass(self.environment_class) or not all(
                     callable(getattr(self.environment_class, method, None)) for method in ("reset", "step")):
                 raise EnvironmentSetupError(f"environment class '{environment.class_}' is not a class with reset and step",

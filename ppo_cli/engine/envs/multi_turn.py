@@ -3,11 +3,17 @@
 Per turn: the inner sampler samples every running episode's next turn from its whole sequence so far
 (left-padded; at most the largest remaining budget, each episode's turn then cut to its own), every
 episode that sampled is stepped in its environment, ``max_concurrency`` at once on one event loop kept
-for the whole batch (so an environment's connections and state live across its turns), and the
-environment's delta (episode.py) is appended. The result is a ``Sampled`` whose Generation's response
-is every token after the prompt: ``response_mask`` on all of them (attended), ``action_mask`` on the
-policy's sampled tokens only (trained), holes where the environment spoke; ``finished`` per episode (its
-last turn ended with the stop token). Beside it, ``episodes``: one EpisodeRecord per row.
+for the whole batch in a thread of its own (so an environment's connections and state live across its
+turns), and the environment's delta (episode.py) is appended. With ``environment.overlap`` the batch
+runs as two waves, its first and second half: while one wave's environments step, the other wave
+samples, in a fixed order (wave 1 samples, wave 2 samples, wave 1's steps are waited for, wave 1
+samples, ...), so what is sampled never depends on how long a step took. Sampling and every use of the
+tokenizer stay in the calling thread; only the environments' calls run on the loop (overlap.py).
+
+The result is a ``Sampled`` whose Generation's response is every token after the prompt:
+``response_mask`` on all of them (attended), ``action_mask`` on the policy's sampled tokens only
+(trained), holes where the environment spoke; ``finished`` per episode (its last turn ended with the
+stop token). Beside it, ``episodes``: one EpisodeRecord per row.
 
 An episode whose reset gave messages starts from a longer prompt: those messages are rendered into its
 prompt (nothing is sampled yet, so nothing sampled is re-tokenized); ``generation.prompt_ids`` is then
@@ -17,14 +23,14 @@ failed still samples its first turn (every row has a response) and ends failed.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ppo_cli.engine.rewards.remote import gather_bounded
-from ppo_cli.engine.envs.environments import EnvironmentFactory, StepFailure
+from ppo_cli.engine.envs.environments import EnvironmentFactory, StepFailure, StepResult
+from ppo_cli.engine.envs.overlap import StepRunner, WaveRun, steps_overlap_sampling, waves
 from ppo_cli.engine.envs.episode import (
     Episode,
     TemplateRewrites,
@@ -195,31 +201,28 @@ class MultiTurnSampler:
         budget = min(self.environment.max_episode_tokens, max_new_tokens or self.environment.max_episode_tokens)
         episodes = [Episode(row_ids[row_mask].tolist(), list(start.prompt_messages), budget)
                     for row_ids, row_mask, start in zip(prompt_ids, prompt_mask, starts)]
-        loop = asyncio.new_event_loop()
+        # The environments live on an event loop in a thread of its own, for the whole batch (their connections
+        # and state last across turns); this thread samples (torch) and does all the tokenizer's work.
+        steps = StepRunner()
         environments: list = [None] * len(episodes)
-        last: dict[int, list[int]] = {}
-        policy_logprobs = True
+        overlap = steps_overlap_sampling(self.environment, self.factory.environment_class)
+        runs = [WaveRun(rows) for rows in waves(len(episodes), overlap)]
         try:
-            loop.run_until_complete(self._reset(episodes, starts, environments))
-            for turn in range(self.environment.max_turns):
-                rows = [i for i, e in enumerate(episodes) if e.ended_by is None]
-                if not rows:
-                    break
-                sequences, mask = left_pad([episodes[i].sequence for i in rows], self.pad_token_id, prompt_ids.device)
-                sampled = self.inner.sample(policy, sequences, mask, with_logprobs=with_logprobs, keep_hidden=keep_hidden,
-                                            max_new_tokens=self._turn_budget(max(episodes[i].remaining for i in rows)))
-                policy_logprobs = sampled.policy_logprobs
-                for k, i in enumerate(rows):
-                    last[i] = self._add_turn(episodes[i], sampled, k)
-                loop.run_until_complete(self._step(episodes, rows, environments, last, final=turn + 1 == self.environment.max_turns))
-                ended = [i for i in rows if episodes[i].ended_by is not None]
-                if on_finished is not None and ended:
-                    on_finished(ended, [last[i] for i in ended])
+            steps.run(self._reset(episodes, starts, environments))
+            policy_logprobs = True
+            while any(run.rows for run in runs):
+                for run in runs:
+                    if run.stepping is not None:  # its steps ran while the other wave sampled
+                        self._finish_turn(episodes, run, steps.wait(run.stepping), on_finished)
+                    rows = [i for i in run.rows if episodes[i].ended_by is None]
+                    if not rows or run.turns == self.environment.max_turns:
+                        run.rows = []
+                        continue
+                    policy_logprobs = self._sample_turn(policy, episodes, rows, run, prompt_ids.device, with_logprobs,
+                                                        keep_hidden)
+                    run.stepping = steps.submit(self._steps(environments, run.stepped))
         finally:
-            try:
-                loop.run_until_complete(self._close(environments))
-            finally:
-                loop.close()
+            steps.stop(self._close(environments))
         return self._assemble(episodes, prompt_ids.device, with_logprobs, keep_hidden, policy_logprobs)
 
     # --- one turn ---------------------------------------------------------------------------------
@@ -262,45 +265,72 @@ class MultiTurnSampler:
 
         await self._bounded([lambda i=i: reset(i) for i in range(len(episodes))])
 
-    async def _step(self, episodes: list[Episode], rows: list[int], environments: list, last: dict, final: bool) -> None:
-        async def step(i: int) -> None:
-            episode = episodes[i]
-            if episode.failure is not None:  # its reset failed: it sampled one turn so that its row has one
-                episode.end("failed", episode.failure)
-                return
-            if episode.ended_by is not None:
-                return
-            try:
-                result = await environments[i].step(dict(episode.messages[-1]))
-            except StepFailure as err:
-                self._failed(episode, str(err))
-                episode.end("failed", str(err))
-                return
-            episode.tool_calls += result.tool_calls
-            episode.tool_errors += result.tool_errors
-            episode.add_reward(result.reward)
-            observation = cut_observation(self.tokenizer, result.observation, self.environment.max_observation_tokens)
-            history = [*episode.prompt_messages, *(assistant_message(m["content"]) if m["role"] == "assistant" else m
-                                                   for m in episode.messages)]
-            episode.messages += observation
-            if result.done:
-                episode.end("done")
-                return
-            if final:
-                episode.end("max_turns")
-                return
-            try:
-                ids = observation_ids(self.tokenizer, history, observation, self.stop_text, self.tools)
-            except TemplateRewrites as err:
-                self._failed(episode, f"the chat template rewrote earlier turns: {err}")
-                episode.end("failed", episode.failure)
-                return
-            if len(ids) >= episode.remaining:  # no room for one more sampled token
-                episode.end("max_episode_tokens")
-                return
-            episode.add_observation(ids)
+    def _sample_turn(self, policy, episodes: list[Episode], rows: list[int], run: "WaveRun", device,
+                     with_logprobs: bool, keep_hidden: bool) -> bool:
+        """One turn of ``rows`` (a wave's running episodes) sampled and added; ``run`` then holds the rows and
+        which of them step (an episode whose reset failed ends here: it sampled so that its row has a turn)."""
+        sequences, mask = left_pad([episodes[i].sequence for i in rows], self.pad_token_id, device)
+        sampled = self.inner.sample(policy, sequences, mask, with_logprobs=with_logprobs, keep_hidden=keep_hidden,
+                                    max_new_tokens=self._turn_budget(max(episodes[i].remaining for i in rows)))
+        for k, i in enumerate(rows):
+            run.last[i] = self._add_turn(episodes[i], sampled, k)
+            if episodes[i].failure is not None:  # its reset failed
+                episodes[i].end("failed", episodes[i].failure)
+        run.turns += 1
+        run.sampled = rows
+        run.stepped = {i: dict(episodes[i].messages[-1]) for i in rows if episodes[i].ended_by is None}
+        return sampled.policy_logprobs
 
-        await self._bounded([lambda i=i: step(i) for i in rows])
+    async def _steps(self, environments: list, messages: dict[int, Message]) -> dict:
+        """Each episode's step on its last assistant message, ``max_concurrency`` at once: {row: StepResult
+        or the StepFailure}. Only the environments are called here (in the loop's thread); what comes back
+        is applied in the sampling thread (_finish_turn)."""
+        rows = list(messages)
+        results = await gather_bounded([lambda i=i: environments[i].step(messages[i]) for i in rows],
+                                       self.environment.max_concurrency)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, StepFailure):  # a bug: not swallowed
+                raise result
+        return dict(zip(rows, results))
+
+    def _finish_turn(self, episodes: list[Episode], run: "WaveRun", results: dict, on_finished) -> None:
+        """A wave's step results applied in row order, then ``on_finished`` told of its episodes that ended."""
+        final = run.turns == self.environment.max_turns
+        for i, result in results.items():
+            self._apply_step(episodes[i], result, final)
+        ended = [i for i in run.sampled if episodes[i].ended_by is not None]
+        if on_finished is not None and ended:
+            on_finished(ended, [run.last[i] for i in ended])
+        run.stepping = None
+
+    def _apply_step(self, episode: Episode, result: "StepResult | StepFailure", final: bool) -> None:
+        if isinstance(result, StepFailure):
+            self._failed(episode, str(result))
+            episode.end("failed", str(result))
+            return
+        episode.tool_calls += result.tool_calls
+        episode.tool_errors += result.tool_errors
+        episode.add_reward(result.reward)
+        observation = cut_observation(self.tokenizer, result.observation, self.environment.max_observation_tokens)
+        history = [*episode.prompt_messages, *(assistant_message(m["content"]) if m["role"] == "assistant" else m
+                                               for m in episode.messages)]
+        episode.messages += observation
+        if result.done:
+            episode.end("done")
+            return
+        if final:
+            episode.end("max_turns")
+            return
+        try:
+            ids = observation_ids(self.tokenizer, history, observation, self.stop_text, self.tools)
+        except TemplateRewrites as err:
+            self._failed(episode, f"the chat template rewrote earlier turns: {err}")
+            episode.end("failed", episode.failure)
+            return
+        if len(ids) >= episode.remaining:  # no room for one more sampled token
+            episode.end("max_episode_tokens")
+            return
+        episode.add_observation(ids)
 
     def _failed(self, episode: Episode, why: str) -> None:
         episode.failure = why

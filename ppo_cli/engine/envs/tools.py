@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ppo_cli.engine.envs.calls import call_bounded, import_named
+from ppo_cli.engine.envs.calls import call_bounded
+from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import EnvironmentSetupError
 
 QUOTED_ERROR = 200  # characters of a tool's exception message shown to the model
@@ -39,7 +40,7 @@ def load_tool(spec: str) -> Tool:
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-    function = import_named(spec, "tool")
+    function = import_named(spec, "tool", EnvironmentSetupError)
     if not callable(function) or inspect.isclass(function):
         raise EnvironmentSetupError(f"tool '{spec}' is not a function", hint="name a def or async def")
     try:

@@ -12,14 +12,12 @@ could not score, and so does a NaN or an infinity: that completion leaves the up
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from pathlib import Path
 from typing import Callable
 
+from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
 
@@ -61,29 +59,14 @@ def display_name(component: FunctionReward) -> str:
 
 
 def load_reward_function(spec: str) -> Callable:
-    """Import 'package.module:name' or 'path/to/file.py:name' and check it takes (prompts, responses)."""
+    """Import 'package.module:name' or 'path/to/file.py:name' (engine/user_code.py) and check it takes
+    (prompts, responses)."""
     target, _, name = spec.rpartition(":")
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise RewardFunctionError(f"reward function file not found: {target}", hint="paths are relative to the current directory")
-            module_name = f"ppo_reward_{abs(hash(str(path.resolve())))}"
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except RewardFunctionError:
-        raise
-    except Exception as err:  # the user's module raised while importing
-        raise RewardFunctionError(
-            f"cannot import reward function module '{target}': {type(err).__name__}: {err}"
-        ) from err
-    fn = getattr(module, name, None)
+    define = f"define def {name}(prompts, responses) -> list[float]"
+    fn = import_named(spec, "reward function", RewardFunctionError, kind="function", define=define)
     if not callable(fn):
-        raise RewardFunctionError(f"'{target}' has no function '{name}'", hint=f"define def {name}(prompts, responses) -> list[float]")
+        raise RewardFunctionError(f"'{target}' has no function '{name}'",
+                                  hint=f"'{name}' there is a {type(fn).__name__}; {define}")
     try:
         inspect.signature(fn).bind_partial(["p"], ["r"])  # further parameters are dataset columns
     except TypeError:

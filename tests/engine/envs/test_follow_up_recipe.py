@@ -42,10 +42,11 @@ def test_the_follow_up_reward_grades_the_last_answer_by_words_after_the_request(
 
 
 def test_the_simulated_user_asks_one_follow_up_picked_by_the_seed_then_ends_the_episode():
-    from ppo_cli.engine.envs.calls import import_named
+    from ppo_cli.engine.user_code import import_named
+    from ppo_cli.errors import EnvironmentSetupError
 
-    follow_up_user = import_named(f"{ROOT}/recipes/envs/follow_up.py:FollowUp", "environment class")
-    requests = import_named(f"{ROOT}/recipes/envs/follow_up.py:REQUESTS", "requests")
+    follow_up_user = import_named(f"{ROOT}/recipes/envs/follow_up.py:FollowUp", "environment class", EnvironmentSetupError)
+    requests = import_named(f"{ROOT}/recipes/envs/follow_up.py:REQUESTS", "requests", EnvironmentSetupError)
     user = follow_up_user()
     assert user.reset({"prompt": "Q?"}, seed=4) is None  # the prompt is the first user message
     first = user.step({"role": "assistant", "content": "The capital of France is Paris."})

@@ -27,13 +27,17 @@ def guess_server():
     server.server_close()
 
 
-def test_http_episodes_reset_step_and_close_on_the_server(chatml, guess_server):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_http_episodes_reset_step_and_close_on_the_server(chatml, guess_server, overlap):
     seed = 11
     number = random.Random(seed).randint(1, 10)
     wrong = "1" if number != 1 else "2"
     url = f"http://127.0.0.1:{guess_server.server_address[1]}"
-    result, _, _ = run(chatml, {"type": "http", "url": url, "timeout_s": 5, "max_turns": 2},
-                       [[str(number), wrong], [wrong]], ["Guess.", "Guess."], seeds=[seed, seed])
+    # overlap: two waves of one episode each, sampled in turn; off: one batch per turn.
+    turns = [[str(number)], [wrong], [wrong]] if overlap else [[str(number), wrong], [wrong]]
+    result, inner, _ = run(chatml, {"type": "http", "url": url, "timeout_s": 5, "max_turns": 2, "overlap": overlap},
+                           turns, ["Guess.", "Guess."], seeds=[seed, seed])
+    assert [len(rows) for rows, _ in inner.calls] == [len(texts) for texts in turns]
     first, second = result.episodes
     assert (first.ended_by, first.turns, first.step_reward) == ("done", 1, 1.0)
     assert [m["content"] for m in first.messages][-2:] == [str(number), "Correct!"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ppo_cli.engine.envs.calls import import_named
+from ppo_cli.engine.user_code import import_named
 from ppo_cli.engine.envs.tools import call_tool, load_tool, load_tools
 from ppo_cli.errors import EnvironmentSetupError
 
@@ -77,9 +77,9 @@ def test_load_tool_refuses_a_function_without_docstring_in_one_line(tools_file):
 
 def test_import_named_says_which_file_or_name_is_missing(tools_file):
     with pytest.raises(EnvironmentSetupError, match="^tool file not found: nowhere.py$"):
-        import_named("nowhere.py:f", "tool")
+        import_named("nowhere.py:f", "tool", EnvironmentSetupError)
     with pytest.raises(EnvironmentSetupError, match=r"has no tool 'nothing'$"):
-        import_named(f"{tools_file}:nothing", "tool")
+        import_named(f"{tools_file}:nothing", "tool", EnvironmentSetupError)
 
 
 def test_two_tools_of_one_name_are_refused():

@@ -1,0 +1,69 @@
+"""The user's code a recipe names, 'path/to/file.py:name' or 'package.module:name', imported only when named.
+
+One loader for reward functions (engine/rewards/function.py), tools and environment classes (engine/envs/).
+A file is imported once per process, as a module named for its resolved path (``ppo_user_<digest>``), put in
+``sys.modules`` before it runs (dataclasses and pickling look their module up there) and taken out again if
+it raises, so the next attempt runs it again and says the same. A file named twice (a tool file that also
+holds a reward) is one module, its module-level state shared.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from ppo_cli.errors import PpoError
+
+
+def import_named(spec: str, what: str, error: type[PpoError], *, kind: str | None = None,
+                 define: str | None = None) -> Any:
+    """The object ``spec`` names. ``what`` says what it is in the error lines ("reward function", "tool"),
+    ``error`` is the PpoError they are raised as; ``kind``, if given, names the missing object instead of
+    ``what`` ("'f.py' has no function 'g'"); ``define`` is the hint when no name there is close to it."""
+    target, _, name = spec.rpartition(":")
+    module = _import_file(target, what, error) if target.endswith(".py") else _import_module(target, name, what, error)
+    found = getattr(module, name, None)
+    if found is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        close = difflib.get_close_matches(name, public, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else (define or f"define {name} in {target}")
+        raise error(f"'{target}' has no {kind or what} '{name}'", hint=hint)
+    return found
+
+
+def _import_file(target: str, what: str, error: type[PpoError]):
+    path = Path(target)
+    if not path.is_file():
+        raise error(f"{what} file not found: {target}", hint=f"paths are relative to the current directory ({Path.cwd()})")
+    module_name = "ppo_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as err:
+        del sys.modules[module_name]
+        if not isinstance(err, Exception):  # Ctrl-C while importing is not the module's fault
+            raise
+        raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}") from err
+    return module
+
+
+def _import_module(target: str, name: str, what: str, error: type[PpoError]):
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as err:
+        missing_itself = err.name is not None and (target == err.name or target.startswith(err.name + "."))
+        hint = (f"a file is written path/to/file.py:{name}; a module must be importable (installed, or on PYTHONPATH)"
+                if missing_itself else None)
+        raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}", hint=hint) from err
+    except Exception as err:  # the user's module raised while importing
+        raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}") from err
