@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -325,9 +326,27 @@ def test_zero3_and_fsdp_also_split_the_policy_and_gather_it_to_generate(model_di
     assert p["rollout", "policy gathered for generation"] == pytest.approx(gathered)
     assert p["policy", "one layer gathered (update)"] == pytest.approx(TOTAL * 4 / 2)  # 2 layers
     # 6352 x 4 B x (1/4 weights + 1/4 gradients + 2/4 AdamW) + head (17 x 4 + 17 x 12) / 4 + reference + reward
+    # (FSDP shards the frozen reward model too: a quarter of it; DeepSpeed leaves it whole)
     static = sum(v for (role, part), v in p.items() if "update" not in part and role != "rollout")
-    assert static == pytest.approx(TOTAL * 4 * (1 + 1 + 2) / 4 + 17 * 16 / 4 + TOTAL * 4 + reward.total_params * 4
-                                   + RUNTIME_GB["cpu"] * GB)
+    reward_share = 1 / 4 if sharding == "fsdp" else 1
+    assert static == pytest.approx(TOTAL * 4 * (1 + 1 + 2) / 4 + 17 * 16 / 4 + TOTAL * 4
+                                   + reward.total_params * 4 * reward_share + RUNTIME_GB["cpu"] * GB)
+    assert (("rollout", "reward model gathered for scoring") in p) == (sharding == "fsdp")
+
+
+def test_fsdp_scoring_gathers_the_reward_models_root_and_one_block(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    p = parts(estimate(full_finetune(processes=4, sharding="fsdp", fsdp_per_block=True), shape, None, [reward]))
+    # what no block holds, the other 3 quarters, and one of the 2 blocks whole, x 4 B (float32)
+    outside, linear = reward.total_params - reward.linear_params, reward.linear_params
+    assert p["rollout", "reward model gathered for scoring"] == pytest.approx(outside * 4 * 3 / 4 + linear * 4 / 2)
+    # a 4-bit reward model stays whole and gathers nothing
+    quantized = dataclasses.replace(full_finetune(processes=4, sharding="fsdp"), rewards=(("float32", "4bit", 8),))
+    q = parts(estimate(quantized, shape, None, [reward]))
+    assert ("rollout", "reward model gathered for scoring") not in q
+    assert q["reward", next(part for role, part in q if role == "reward")] == pytest.approx(
+        reward.weight_bytes("float32", "4bit"))
 
 
 def test_fsdp_per_block_rollout_gathers_what_no_block_holds_and_one_block(model_dir):
