@@ -154,6 +154,76 @@ def _marked_fsdp_managed(model: torch.nn.Module) -> list:
     return marked
 
 
+# --- FSDP2: frozen reward models sharded too ----------------------------------------------------
+#
+# A reward model is frozen and only scores, but whole it is as large as the policy on every process
+# (at the 0.5B shape 1.43 of the 3.95 GB each process peaked at, docs/benchmarks.md). Sharded block
+# by block like the policy, each process holds 1/N of it and one block whole while scoring. Its
+# forwards are then collectives: every process runs as many as the process with the most batches.
+
+
+def reward_model_blocks(model: torch.nn.Module) -> list:
+    """The decoder blocks of ``model``: its modules of the classes transformers lists in
+    ``_no_split_modules`` (what accelerate's transformer-based wrap policy wraps); [] if none."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def shard_frozen_model(model: torch.nn.Module) -> bool:
+    """FSDP2 over each block of ``model`` and the model itself (the root: embeddings, final norm, head).
+    False, and the model left whole, where no block class is known."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = reward_model_blocks(model)
+    if not blocks:
+        return False
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    # Gathered buffers are allocated at a unit's first unshard: here, outside any inference_mode,
+    # as gathered_parameters does for the policy.
+    for unit in _fsdp_units(model):
+        unit.unshard()
+        unit.reshard()
+    return True
+
+
+class InStepScorer:
+    """A reward-model scorer (engine/rewards/model.py ModelScorer) whose model is sharded: each call runs
+    as many forwards as the process with the most batches (one-token forwards for the batches this
+    process lacks, their outputs dropped), then reshards the root, which FSDP2 keeps whole after a
+    forward. ``most_over_processes``: int -> the largest of that int over the processes (collective)."""
+
+    def __init__(self, scorer, most_over_processes):
+        self.scorer, self.most_over_processes = scorer, most_over_processes
+
+    def __getattr__(self, name):  # everything else is the scorer's (component, model, texts, ...)
+        return getattr(self.scorer, name)
+
+    def __call__(self, prompts: list, responses: list[str]) -> list[float]:
+        size = self.scorer.component.batch_size
+        batches = -(-len(responses) // size)
+        most = self.most_over_processes(batches)  # before any forward: each forward's all-gathers pair up across processes
+        values = self.scorer(prompts, responses)
+        model = self.scorer.model
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.scorer.device)
+        with torch.no_grad():
+            for _ in range(most - batches):
+                model(input_ids=token, attention_mask=torch.ones_like(token))
+        model.reshard()
+        return values
+
+    def take_part_without_rows(self) -> None:
+        """A process with nothing to score (an empty share of the held-out prompts) still runs the forwards."""
+        self([], [])
+
+
+def _shares_weights_with(model: torch.nn.Module, actor_critic) -> bool:
+    """Is ``model`` (or its backbone) part of the actor-critic (the frozen critic reads the reward model)?"""
+    backbone = getattr(actor_critic, "value_backbone", None)
+    return backbone is not None and (backbone is model or backbone is getattr(model, "base_model", None))
+
+
 def full_state_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -181,6 +251,37 @@ class ShardingMixin:
             return_freed_memory()  # each block's gathered weights, freed after its forward and backward
             release_freed_memory()  # the whole weights each process loaded, now sharded
         return prepared
+
+    def shard_reward_models(self, reward, actor_critic) -> int:
+        """FSDP with several processes: shard each frozen reward model of ``reward`` (a RewardStack) block
+        by block and score through InStepScorer; a quantized one, one without known blocks, or one whose
+        backbone is the frozen critic's stays whole. Call before prepare() (which hands the freed whole
+        weights back). Returns the models sharded."""
+        if not self.shards_parameters or self.world_size == 1:
+            return 0
+        from transformers import PreTrainedModel
+
+        from ppo_cli.engine.models import is_quantized
+
+        sharded = 0
+        for index, (name, weight, scorer) in enumerate(reward.scorers):
+            model = getattr(scorer, "model", None)
+            if (not isinstance(model, PreTrainedModel) or is_quantized(model) or _shares_weights_with(model, actor_critic)
+                    or any(p.requires_grad for p in model.parameters()) or not shard_frozen_model(model)):
+                continue
+            reward.scorers[index] = (name, weight, InStepScorer(scorer, self.max_of))
+            sharded += 1
+        return sharded
+
+    def max_of(self, value: int) -> int:
+        """The largest of a per-process integer over all processes (collective)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as torch_dist
+
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+        return int(tensor.item())
 
     def full_parameters(self, model: torch.nn.Module):
         """A context (entered by every process) in which ``model``'s parameters are whole on each

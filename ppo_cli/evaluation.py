@@ -241,6 +241,8 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
     settings = recipe_sampling(engine.recipe, seed + rank)
     failures: list[str] = []  # a share without any reward must not stop one process alone: decided after the gather
     rows = score_rows(engine.reward, sample_rows(engine, None, share, settings, with_kl=True), failures)
+    if not share:  # fewer prompts than processes: a sharded reward model still needs this one's forwards
+        engine.reward.take_part_without_rows()
     if world_size > 1:
         parts = dist.gather_objects((rows, failures))
         if not dist.is_main:

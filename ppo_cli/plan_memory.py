@@ -322,7 +322,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
                    "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
                    "runtime")
-    lines, update, rollout = shard(s, policy, lines, update, rollout)
+    lines, update, rollout = shard(s, policy, lines, update, rollout, rewards)
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
 
 
@@ -345,11 +345,14 @@ SHARDED_PARTS = {
 SHARDING = ("none", "zero2", "zero3", "fsdp")
 
 
-def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line], rollout: list[Line]):
+def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line], rollout: list[Line],
+          rewards: list[ModelShape] = ()):
     """Per-process lines under ``s.sharding`` over ``s.processes``. ZeRO-2 splits the gradients and AdamW
     states of what trains; ZeRO-3 and FSDP (full shard) also split the weights of the model handed to
-    prepare() (the policy, its frozen LoRA base included unless quantized, and the critic). The frozen
-    reference copy and reward models stay whole. Generation needs the whole policy: ppo_cli gathers it
+    prepare() (the policy, its frozen LoRA base included unless quantized, and the critic). FSDP also
+    shards each unquantized reward model block by block (Distributed.shard_reward_models), gathering
+    what no block holds and one block at a time while scoring; the frozen reference copy, quantized
+    reward models and one that is the frozen critic's backbone stay whole. Generation needs the whole policy: ppo_cli gathers it
     for the rollout (counted: the full weights less the process's own shard under ZeRO-3, the full
     weights under FSDP2, whose gathered buffers are separate from the shard; per block under FSDP
     with train.fsdp_rollout per_block), and the update gathers one decoder layer at a time (counted:
@@ -358,6 +361,10 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     if s.sharding == "none" or n == 1:
         return lines, update, rollout
     full_shard = s.sharding in ("zero3", "fsdp")
+    # value_shared: which reward model is the critic's is not known here; all stay whole (an overestimate)
+    sharded_rewards = [(shape, f"weights ({Path(shape.path).name})", dtype)
+                       for shape, (dtype, quantization, _) in zip(rewards, s.rewards)
+                       if s.sharding == "fsdp" and quantization == "none" and not s.value_shared]
 
     def split(line: Line) -> bool:
         key = (line.role, line.part)
@@ -366,7 +373,8 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
         if not full_shard or line.phase != "static":
             return False
         policy_weights = key == ("policy", "weights") and s.quantization == "none"
-        return policy_weights or key == ("policy", "LoRA adapter") or line.role == "value"
+        reward_weights = line.role == "reward" and any(line.part == part for _, part, _ in sharded_rewards)
+        return policy_weights or key == ("policy", "LoRA adapter") or line.role == "value" or reward_weights
 
     out = [dataclasses.replace(line, gb=line.gb / n, how=f"{line.how}, / {n} ({s.sharding})") if split(line) else line
            for line in lines]
@@ -390,6 +398,17 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             line = Line("rollout", "policy gathered for generation", gathered,
                         f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")
         rollout = rollout + [line]
+        if sharded_rewards:
+            # Scoring gathers the root (embeddings, final norm, head) and one block at a time; the largest model's.
+            def gathered_gb(shape: ModelShape, dtype: str) -> float:
+                linear = shape.linear_params / shape.total_params
+                weights = shape.weight_bytes(dtype, "none") / GB
+                return weights * (1 - linear) * (n - 1) / n + weights * linear / shape.layers
+
+            rollout = rollout + [Line("rollout", "reward model gathered for scoring",
+                                      max(gathered_gb(shape, dtype) for shape, _, dtype in sharded_rewards),
+                                      f"the other {n - 1} processes' shards of the weights outside the blocks, "
+                                      "and one block whole at a time", "rollout")]
         update = update + [Line("policy", "one layer gathered (update)", weights / policy.layers,
                                 f"policy weights / {policy.layers} layers, gathered layer by layer", "update")]
     return out, update, rollout

@@ -47,6 +47,7 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
     if dist.world_size == 1 and not dist.uses_deepspeed:
         engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
+    dist.shard_reward_models(engine.reward, engine.actor_critic)  # FSDP: the frozen reward models too
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim),
                                     cpu_malloc_tuning=engine.options.cpu_malloc_tuning)
     return TrainState(

@@ -79,6 +79,13 @@ class RewardStack:
         """The components that may leave an episode without a reward (None), by name."""
         return [name for name, _, scorer in self.scorers if hasattr(scorer, "failure")]
 
+    def take_part_without_rows(self) -> None:
+        """A process that has no rows to score while the others score theirs: a reward model sharded
+        across processes (distributed.InStepScorer) still needs its forwards."""
+        for _, _, scorer in self.scorers:
+            if hasattr(scorer, "take_part_without_rows"):
+                scorer.take_part_without_rows()
+
     def check_columns(self, names: set[str], source: str) -> None:
         """One line naming a reward function that needs a column the rows of ``source`` lack."""
         for _, _, scorer in self.scorers:
