@@ -38,7 +38,7 @@ def main() -> None:
     if args.malloc in ("off", "keep"):
         trainer_module.release_freed_memory = lambda: None
     bench.RESULTS = bench.ROOT / ".cache" / "bench" / "results" / "heap-phases.jsonl"
-    tag = f"heap-{args.malloc}" + "".join(f"-{s}" for s in args.set)
+    tag = f"heap-{args.malloc}" + "".join("-" + s.split(".")[-1].replace("=", "-") for s in args.set)  # a run name
     bench.cmd_ours(argparse.Namespace(updates=args.updates, threads=args.threads, seed=0, tag=tag,
                                       mixed_precision=None, set=args.set))
     record = json.loads(bench.RESULTS.read_text().splitlines()[-1])
