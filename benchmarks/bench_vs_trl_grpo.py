@@ -127,7 +127,7 @@ def cmd_ours(args) -> None:
         tracer.next_update()
         if not marks:
             precision["mixed_precision"] = state.engine.mixed_precision  # train.mixed_precision resolved
-            precision["gradient_checkpointing"] = state.recipe.policy.gradient_checkpointing
+            precision["gradient_checkpointing"] = state.engine.gradient_checkpointing  # train.gradient_checkpointing resolved
             marks.append(time.perf_counter()), cpu_marks.append(time.process_time())
         out = step(state)
         marks.append(time.perf_counter()), cpu_marks.append(time.process_time())
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         if name == "ours":
             p.add_argument("--mixed-precision", default=None, help="override ours' default (auto)")
             p.add_argument("--set", action="append", default=[], help="section.key=value in ours' recipe, e.g. "
-                           "policy.gradient_checkpointing=true (a lever, not a default)")
+                           "train.gradient_checkpointing=false (a lever, not a default)")
         if name == "compare":
             p.add_argument("--rounds", type=int, default=2)
     p = sub.add_parser("report")

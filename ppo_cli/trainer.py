@@ -36,6 +36,7 @@ from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.envs.metrics import episode_metrics
 from ppo_cli.engine.engine import Engine
+from ppo_cli.engine.malloc import release_freed_memory
 from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
 from ppo_cli.recipe import PPOConfig
@@ -70,6 +71,17 @@ def train(state: TrainState) -> Iterator[tuple[dict[str, float], Rollout]]:
             )
 
 
+def release_update_memory(engine: Engine) -> None:
+    """CPU with the heap tuning on: hand the heap's free pages back to the kernel once, after the update.
+
+    The tuning (engine/malloc.keep_freed_memory) keeps freed blocks so that the update's micro-batches
+    reuse them; kept past the update, the next rollout's and update's different mix of block sizes
+    piles up beside them and the resident set grows from update to update (docs/memory.md, "The glibc
+    heap tuning"). Once per update, the price is one fault-in of the next update's pages."""
+    if engine.device.type == "cpu" and engine.options.cpu_malloc_tuning:
+        release_freed_memory()
+
+
 def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     """One PPO update: rollout -> advantages -> optimise -> adapt. Returns its metrics."""
     recipe, engine = state.recipe, state.engine
@@ -101,6 +113,7 @@ def train_step(state: TrainState) -> tuple[dict[str, float], Rollout]:
     enter_phase("update")
     with memory_phase("updating the policy and critic"), phase_peak(dist.device, peaks, "update"):
         stats = optimise(state, rollout, adv) if skip_reason is None else None
+    release_update_memory(engine)
     if stats is not None and stats.optimizer_steps == 0:
         skip_reason = "non-finite loss or gradients"
     if deferred:  # the metrics and the KL controller read the old log-probs; the advantages are unchanged

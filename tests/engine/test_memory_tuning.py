@@ -118,3 +118,19 @@ def test_return_freed_memory_unmaps_each_freed_block_at_once():
     held, left = (int(n) / 2**20 for n in out.stdout.split()[-2:])
     assert held > 120  # the 2 MB blocks were resident while alive
     assert left < 8  # under FSDP each freed block goes back to the kernel, even after keep_freed_memory
+
+
+@pytest.mark.parametrize(("device", "tuning", "trims"),
+                         [("cpu", True, 1), ("cpu", False, 0), ("cuda", True, 0), ("cuda", False, 0)])
+def test_update_hands_the_tuned_heap_back_once_on_cpu_only(monkeypatch, device, tuning, trims):
+    """trainer.release_update_memory, called once per train_step after the update: kept past the update,
+    the tuned heap grew from update to update (docs/memory.md)."""
+    from types import SimpleNamespace
+
+    from ppo_cli import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "release_freed_memory", lambda: calls.append("trim"))
+    engine = SimpleNamespace(device=torch.device(device), options=EngineOptions(cpu_malloc_tuning=tuning))
+    trainer.release_update_memory(engine)
+    assert len(calls) == trims
