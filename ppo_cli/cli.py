@@ -241,9 +241,12 @@ def plan(
     from ppo_cli.commands.plan import render, set_args  # imports torch: only after the recipe is valid
     from ppo_cli.commands.plan import run as run_plan
     from ppo_cli.report import console
+    from rich.console import Console
 
     result = run_plan(resolved, gpu_memory, processes=num_processes, sharding=sharding)
-    console.print(render(result))
+    # A console of this call's own: rich reads COLUMNS when a console is made, and the table's width is
+    # the terminal's now, not the one it had when ppo_cli.report was first imported.
+    Console(highlight=False).print(render(result))
     if result.suggestions:  # one unwrapped line to copy, whatever the terminal's width
         import shlex
 
