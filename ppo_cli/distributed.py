@@ -98,6 +98,27 @@ def shard_in_float32(module: torch.nn.Module) -> None:
     fully_shard(module, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
 
 
+def _take_sharded_parameters(optimizer) -> list:
+    """Remove the parameters already sharded (DTensors: shard_in_float32's value head) from ``optimizer``'s
+    groups; [(group index, position, parameter)]. accelerate 1.15's prepare swaps each optimizer parameter
+    for its sharded one by matching data pointers, which fails for DTensors (an empty shard's pointer is 0,
+    so weight and bias collide; measured: "A parameter in the optimizer couldn't be switched to its
+    sharded version"); these need no swap, so they sit out the prepare and go back after."""
+    from torch.distributed.tensor import DTensor
+
+    taken = []
+    for index, group in enumerate(optimizer.param_groups):
+        taken += [(index, position, p) for position, p in enumerate(group["params"]) if isinstance(p, DTensor)]
+        group["params"] = [p for p in group["params"] if not isinstance(p, DTensor)]
+    return taken
+
+
+def _put_back_parameters(optimizer, taken: list) -> None:
+    """Inverse of _take_sharded_parameters, each parameter at its place (positions ascending per group)."""
+    for index, position, param in taken:
+        optimizer.param_groups[index]["params"].insert(position, param)
+
+
 def _is_frozen_model(module: torch.nn.Module) -> bool:
     from transformers import PreTrainedModel
 
@@ -279,8 +300,10 @@ class ShardingMixin:
             return self.accelerator.prepare(model, optimizer)
         # Gathers in the compute dtype, gradients reduced in float32, on CPU as on GPUs.
         self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp_mixed_precision_policy(self.mixed_precision)
+        already_sharded = _take_sharded_parameters(optimizer)
         with without_frozen_models(model):
             prepared = self.accelerator.prepare(model, optimizer)
+        _put_back_parameters(optimizer, already_sharded)
         if self.device.type == "cpu" and cpu_malloc_tuning:
             from ppo_cli.engine.malloc import release_freed_memory, return_freed_memory
 
@@ -310,12 +333,15 @@ class ShardingMixin:
             sharded += 1
         return sharded
 
-    def keep_value_head_in_float32(self, value_head: torch.nn.Module | None) -> None:
-        """FSDP whose gathers are cast (bf16/fp16): shard the value head first, as a float32 unit of its
-        own (shard_in_float32), so prepare() leaves it be. A no-op otherwise. Call before making the optimizer."""
-        if value_head is None or not self.shards_parameters or self.mixed_precision not in ("bf16", "fp16"):
+    def keep_value_head_in_float32(self, actor_critic) -> None:
+        """FSDP whose gathers are cast (bf16/fp16): shard the actor-critic's value head first, as a float32
+        unit of its own (shard_in_float32), so prepare() leaves it be. A no-op otherwise. Call before
+        making the optimizer."""
+        head = actor_critic.value_head
+        if head is None or not self.shards_parameters or self.mixed_precision not in ("bf16", "fp16"):
             return
-        shard_in_float32(value_head)
+        shard_in_float32(head)
+        actor_critic.list_trainable_again()
 
     def max_of(self, value: int) -> int:
         """The largest of a per-process integer over all processes (collective)."""
