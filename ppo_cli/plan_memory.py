@@ -390,7 +390,7 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             weights, gathered = weights * cast, gathered * cast
             if cast < 1:
                 update = [line for line in update if line.part != "autocast weight copies (update)"]
-        note = f", gathered in {s.mixed_precision} (2 B)" if s.sharding == "fsdp" and s.mixed_precision in ("bf16", "fp16") else ""
+        note = f", in {s.mixed_precision} (2 B a value)" if s.sharding == "fsdp" and s.mixed_precision in ("bf16", "fp16") else ""
         if s.sharding == "fsdp" and s.fsdp_per_block:
             # What no block holds (embeddings, final norm; the linear layers are all in blocks) stays
             # gathered; one block at a time is whole.
