@@ -66,6 +66,59 @@ def check_fsdp_version(version: int) -> None:
                          hint="set fsdp_config.fsdp_version: 2 (see recipes/accelerate/fsdp.yaml)")
 
 
+def fsdp_mixed_precision_policy(mixed_precision: str):
+    """FSDP2's MixedPrecisionPolicy for train.mixed_precision as resolved ('no', 'bf16', 'fp16').
+
+    Under bf16/fp16 each unit's parameters are all-gathered in that dtype (half the bytes of float32 per
+    gathered block and per all-gather), which is the dtype autocast would compute their matmuls in anyway;
+    gradients are reduce-scattered in float32 into float32 shards, so the sharded parameters (a LoRA
+    run's adapters: its master weights), their gradients and the optimizer states stay float32. 'no'
+    casts nothing. accelerate 1.15 gives GPU runs (param_dtype, reduce_dtype, output_dtype) all in the
+    half dtype, and CPU runs (enable_fsdp_on_cpu) no policy at all: this one replaces both.
+    Forward inputs are not cast (cast_forward_inputs): the forwards run under autocast, which casts what
+    the matmuls read, and the root's inputs include a frozen critic's float32 features that the value
+    head reads in float32, as under DDP.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    if compute is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def shard_in_float32(module: torch.nn.Module) -> None:
+    """FSDP2 over ``module`` as a unit of its own that gathers its parameters as stored (float32).
+
+    For the value head: values_from_hidden runs it in float32 inside the autocast forward (bf16 rounds
+    values of +-10 by ~0.04); gathered in bf16 with the root unit, its weight would be bf16 there.
+    Call before the optimizer is made: fully_shard replaces the module's parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fully_shard(module, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+
+
+def _take_sharded_parameters(optimizer) -> list:
+    """Remove the parameters already sharded (DTensors: shard_in_float32's value head) from ``optimizer``'s
+    groups; [(group index, position, parameter)]. accelerate 1.15's prepare swaps each optimizer parameter
+    for its sharded one by matching data pointers, which fails for DTensors (an empty shard's pointer is 0,
+    so weight and bias collide; measured: "A parameter in the optimizer couldn't be switched to its
+    sharded version"); these need no swap, so they sit out the prepare and go back after."""
+    from torch.distributed.tensor import DTensor
+
+    taken = []
+    for index, group in enumerate(optimizer.param_groups):
+        taken += [(index, position, p) for position, p in enumerate(group["params"]) if isinstance(p, DTensor)]
+        group["params"] = [p for p in group["params"] if not isinstance(p, DTensor)]
+    return taken
+
+
+def _put_back_parameters(optimizer, taken: list) -> None:
+    """Inverse of _take_sharded_parameters, each parameter at its place (positions ascending per group)."""
+    for index, position, param in taken:
+        optimizer.param_groups[index]["params"].insert(position, param)
+
+
 def _is_frozen_model(module: torch.nn.Module) -> bool:
     from transformers import PreTrainedModel
 
@@ -169,17 +222,19 @@ def reward_model_blocks(model: torch.nn.Module) -> list:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def shard_frozen_model(model: torch.nn.Module) -> bool:
-    """FSDP2 over each block of ``model`` and the model itself (the root: embeddings, final norm, head).
-    False, and the model left whole, where no block class is known."""
+def shard_frozen_model(model: torch.nn.Module, mixed_precision: str = "no") -> bool:
+    """FSDP2 over each block of ``model`` and the model itself (the root: embeddings, final norm, head),
+    gathering in the compute dtype of ``mixed_precision`` (fsdp_mixed_precision_policy). False, and the
+    model left whole, where no block class is known."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = reward_model_blocks(model)
     if not blocks:
         return False
+    policy = fsdp_mixed_precision_policy(mixed_precision)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     # Gathered buffers are allocated at a unit's first unshard: here, outside any inference_mode,
     # as gathered_parameters does for the policy.
     for unit in _fsdp_units(model):
@@ -243,8 +298,12 @@ class ShardingMixin:
         ``cpu_malloc_tuning``: the engine's option (EngineOptions): FSDP on CPU then tunes glibc malloc."""
         if not self.shards_parameters:
             return self.accelerator.prepare(model, optimizer)
+        # Gathers in the compute dtype, gradients reduced in float32, on CPU as on GPUs.
+        self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp_mixed_precision_policy(self.mixed_precision)
+        already_sharded = _take_sharded_parameters(optimizer)
         with without_frozen_models(model):
             prepared = self.accelerator.prepare(model, optimizer)
+        _put_back_parameters(optimizer, already_sharded)
         if self.device.type == "cpu" and cpu_malloc_tuning:
             from ppo_cli.engine.malloc import release_freed_memory, return_freed_memory
 
@@ -267,11 +326,22 @@ class ShardingMixin:
         for index, (name, weight, scorer) in enumerate(reward.scorers):
             model = getattr(scorer, "model", None)
             if (not isinstance(model, PreTrainedModel) or is_quantized(model) or _shares_weights_with(model, actor_critic)
-                    or any(p.requires_grad for p in model.parameters()) or not shard_frozen_model(model)):
+                    or any(p.requires_grad for p in model.parameters())
+                    or not shard_frozen_model(model, self.mixed_precision)):
                 continue
             reward.scorers[index] = (name, weight, InStepScorer(scorer, self.max_of))
             sharded += 1
         return sharded
+
+    def keep_value_head_in_float32(self, actor_critic) -> None:
+        """FSDP whose gathers are cast (bf16/fp16): shard the actor-critic's value head first, as a float32
+        unit of its own (shard_in_float32), so prepare() leaves it be. A no-op otherwise. Call before
+        making the optimizer."""
+        head = actor_critic.value_head
+        if head is None or not self.shards_parameters or self.mixed_precision not in ("bf16", "fp16"):
+            return
+        shard_in_float32(head)
+        actor_critic.list_trainable_again()
 
     def max_of(self, value: int) -> int:
         """The largest of a per-process integer over all processes (collective)."""

@@ -356,7 +356,9 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     for the rollout (counted: the full weights less the process's own shard under ZeRO-3, the full
     weights under FSDP2, whose gathered buffers are separate from the shard; per block under FSDP
     with train.fsdp_rollout per_block), and the update gathers one decoder layer at a time (counted:
-    the weights / layers)."""
+    the weights / layers). FSDP under bf16/fp16 gathers in that dtype (Distributed.prepare's
+    MixedPrecisionPolicy), the shards staying in theirs: every gathered figure at 2 B a value, and no
+    autocast copies of the weights (they arrive in the compute dtype)."""
     n = s.processes
     if s.sharding == "none" or n == 1:
         return lines, update, rollout
@@ -381,6 +383,14 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     if full_shard:
         weights = sum(line.gb for line in lines if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
         gathered = weights - sum(line.gb for line in out if line.role == "policy" and line.part in ("weights", "LoRA adapter"))
+        if s.sharding == "fsdp" and s.quantization == "none":
+            # the policy's gathers in the compute dtype: its weights (and adapters) scaled from their own
+            # bytes to 2 (the shards stay as they are, counted above)
+            cast = fsdp_gather_bytes(s, s.dtype) / DTYPE_BYTES[s.dtype]
+            weights, gathered = weights * cast, gathered * cast
+            if cast < 1:
+                update = [line for line in update if line.part != "autocast weight copies (update)"]
+        note = f", in {s.mixed_precision} (2 B a value)" if s.sharding == "fsdp" and s.mixed_precision in ("bf16", "fp16") else ""
         if s.sharding == "fsdp" and s.fsdp_per_block:
             # What no block holds (embeddings, final norm; the linear layers are all in blocks) stays
             # gathered; one block at a time is whole.
@@ -388,12 +398,12 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             outside, block = gathered * (1 - linear), weights * linear / policy.layers
             line = Line("rollout", "policy gathered for generation", outside + block,
                         f"the other {n - 1} processes' shards of the weights outside the blocks, and one "
-                        "block whole at a time (train.fsdp_rollout: per_block)", "rollout")
+                        f"block whole at a time (train.fsdp_rollout: per_block){note}", "rollout")
         elif s.sharding == "fsdp":
             # FSDP2 gathers into buffers of its own: the process's shard stays beside the whole weights
             # (docs/benchmarks.md, "FSDP's freed blocks unmapped": fsdp-gathered).
             line = Line("rollout", "policy gathered for generation", weights,
-                        "the whole policy, beside the process's own shard, while sampling", "rollout")
+                        f"the whole policy, beside the process's own shard, while sampling{note}", "rollout")
         else:
             line = Line("rollout", "policy gathered for generation", gathered,
                         f"the other {n - 1} processes' shards of the policy, whole while sampling", "rollout")
@@ -402,16 +412,23 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             # Scoring gathers the root (embeddings, final norm, head) and one block at a time; the largest model's.
             def gathered_gb(shape: ModelShape, dtype: str) -> float:
                 linear = shape.linear_params / shape.total_params
-                weights = shape.weight_bytes(dtype, "none") / GB
+                weights = shape.weight_bytes(dtype, "none") / GB * fsdp_gather_bytes(s, dtype) / DTYPE_BYTES[dtype]
                 return weights * (1 - linear) * (n - 1) / n + weights * linear / shape.layers
 
             rollout = rollout + [Line("rollout", "reward model gathered for scoring",
                                       max(gathered_gb(shape, dtype) for shape, _, dtype in sharded_rewards),
                                       f"the other {n - 1} processes' shards of the weights outside the blocks, "
-                                      "and one block whole at a time", "rollout")]
+                                      f"and one block whole at a time{note}", "rollout")]
         update = update + [Line("policy", "one layer gathered (update)", weights / policy.layers,
-                                f"policy weights / {policy.layers} layers, gathered layer by layer", "update")]
+                                f"policy weights / {policy.layers} layers, gathered layer by layer{note}", "update")]
     return out, update, rollout
+
+
+def fsdp_gather_bytes(s: Settings, dtype: str) -> float:
+    """Bytes a value that FSDP gathers weights stored in ``dtype`` into: 2 under bf16/fp16 mixed precision
+    (fsdp_mixed_precision_policy in distributed.py casts the gathers), else the stored dtype's."""
+    stored = DTYPE_BYTES[dtype]
+    return min(2.0, stored) if s.mixed_precision in ("bf16", "fp16") else stored
 
 
 def _optimizer_state_bytes(optimizer: str, param_bytes: float) -> float:

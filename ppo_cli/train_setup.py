@@ -48,6 +48,7 @@ def init_state(engine: Engine, prompts: list[str], dist: Distributed | None = No
         engine.store_frozen_weights_in_compute_dtype()
     sizes = engine.model_sizes()
     dist.shard_reward_models(engine.reward, engine.actor_critic)  # FSDP: the frozen reward models too
+    dist.keep_value_head_in_float32(engine.actor_critic)  # FSDP gathering in bf16/fp16
     model, optimizer = dist.prepare(PolicyAndValue(engine.actor_critic), make_optimizer(engine, recipe.optim),
                                     cpu_malloc_tuning=engine.options.cpu_malloc_tuning)
     return TrainState(

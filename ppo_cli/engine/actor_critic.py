@@ -86,6 +86,11 @@ class ActorCritic(nn.Module):
     def value_reads_policy_hidden(self) -> bool:
         return self.critic.reads_policy_hidden
 
+    def list_trainable_again(self) -> None:
+        """Read the trainable parameters anew, after sharding replaced a module's parameters
+        (Distributed.keep_value_head_in_float32); the list made at construction holds the replaced ones."""
+        self._trainable = [p for p in self.parameters() if p.requires_grad]
+
     def policy_parameters(self) -> list[nn.Parameter]:
         value_ids = {id(p) for p in self.value_parameters()}
         return [p for p in self._trainable if id(p) not in value_ids]

@@ -360,6 +360,39 @@ def test_fsdp_per_block_rollout_gathers_what_no_block_holds_and_one_block(model_
     assert z3["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 4 * 3 / 4)
 
 
+def test_fsdp_under_bf16_counts_every_gather_at_2_bytes_and_the_shards_at_their_own(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    reward = describe_model(str(model_dir), "classifier")
+    f32 = parts(estimate(full_finetune(processes=4, sharding="fsdp", fsdp_per_block=True), shape, None, [reward]))
+    bf16 = parts(estimate(full_finetune(processes=4, sharding="fsdp", fsdp_per_block=True, mixed_precision="bf16"),
+                          shape, None, [reward]))
+    outside, linear = TOTAL - LINEAR, LINEAR
+    # float32 gathers: the other 3 quarters of what no block holds + one of 2 blocks, x 4 B; bf16: x 2 B
+    assert f32["rollout", "policy gathered for generation"] == pytest.approx(outside * 4 * 3 / 4 + linear * 4 / 2)
+    assert bf16["rollout", "policy gathered for generation"] == pytest.approx(outside * 2 * 3 / 4 + linear * 2 / 2)
+    routside, rlinear = reward.total_params - reward.linear_params, reward.linear_params
+    assert bf16["rollout", "reward model gathered for scoring"] == pytest.approx(routside * 2 * 3 / 4 + rlinear * 2 / 2)
+    assert bf16["policy", "one layer gathered (update)"] == pytest.approx(TOTAL * 2 / 2)  # 6352 x 2 B / 2 layers
+    # the shards stay float32: a quarter of 6352 x 4 B, as without mixed precision
+    assert bf16["policy", "weights"] == f32["policy", "weights"] == pytest.approx(TOTAL * 4 / 4)
+    assert bf16["policy", "gradients"] == pytest.approx(TOTAL * 4 / 4)
+    # the gathered weights arrive in bf16: autocast makes no copies of them (one process does: 4608 x 2 B)
+    one = parts(estimate(full_finetune(mixed_precision="bf16"), shape, None, [reward]))
+    assert one["policy", "autocast weight copies (update)"] == pytest.approx(LINEAR * 2)
+    assert ("policy", "autocast weight copies (update)") not in bf16
+    # the whole policy gathered at once (train.fsdp_rollout: gathered): 6352 x 2 B beside the float32 shard
+    whole = parts(estimate(full_finetune(processes=4, sharding="fsdp", mixed_precision="bf16"), shape, None, [reward]))
+    assert whole["rollout", "policy gathered for generation"] == pytest.approx(TOTAL * 2)
+
+
+def test_fsdp_lora_under_bf16_gathers_base_and_adapters_at_2_bytes(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    p = parts(estimate(settings(processes=2, sharding="fsdp", mixed_precision="bf16"), shape, None, []))
+    # base 6352 + adapters 2048 (r=4 on every linear layer), gathered whole in bf16
+    assert p["rollout", "policy gathered for generation"] == pytest.approx((TOTAL + LORA_ALL_R4) * 2)
+    assert p["policy", "LoRA adapter"] == pytest.approx(LORA_ALL_R4 * 4 / 2)  # float32 master weights, halved
+
+
 def test_a_quantized_policy_base_stays_whole_under_zero3(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     lora = LoraConfig(r=4, alpha=8)
