@@ -77,7 +77,8 @@ MODEL_FIXTURES = ("tiny_models", "tiny_tools_model", "sft_adapter", "smollm2")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Fail the run when an unmarked test requests a model fixture (directly or through another fixture)."""
+    """Fail the run when an unmarked test requests a model fixture (directly or through another fixture);
+    then put the longest tests first (run_order)."""
     unmarked = [item.nodeid for item in items
                 if item.get_closest_marker("slow") is None
                 and set(MODEL_FIXTURES) & set(getattr(item, "fixturenames", ()))]
@@ -86,6 +87,21 @@ def pytest_collection_modifyitems(config, items):
             f"these tests use {' or '.join(MODEL_FIXTURES)} but are not marked @pytest.mark.slow "
             "(a module's pytestmark or the test's own mark), so `-m \"not slow\"` would build models:\n  "
             + "\n  ".join(unmarked))
+    items.sort(key=run_order)  # stable: each module's tests keep their order
+
+
+# The longest single piece of the suite (SmolLM2's 5-update run, about 13 of CI's minutes on one core).
+LONGEST_FIRST = ("tests/integration/test_smollm2.py",)
+
+
+def run_order(item) -> int:
+    """0 the longest module, 1 the other slow tests, 2 the fast ones. Under xdist's worksteal the first
+    worker starts on the front of this order and the second on the middle of the slow ones (building
+    the tiny models meanwhile), and whichever is idle takes tests from the other's end: started last,
+    the SmolLM2 run kept one worker busy for 13 minutes after the other had finished everything."""
+    if item.nodeid.split("::")[0] in LONGEST_FIRST:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 @pytest.fixture(scope="session", autouse=True)
