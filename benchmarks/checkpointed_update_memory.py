@@ -17,7 +17,7 @@ the trainer calls, a loss over its outputs, the backward) on random token ids of
 - ``rss_*``: the resident set at the same points (a thread samples /proc/self/statm every 2 ms) and
   glibc's heap (mallinfo2: bytes in use, and held in total).
 
-``--malloc off`` leaves glibc's thresholds as they are (engine.CPU_MALLOC_TUNING-free: EngineOptions
+``--malloc off`` leaves glibc's thresholds as they are (EngineOptions
 cpu_malloc_tuning False). Never imported by ppo_cli or its tests.
 """
 
