@@ -24,7 +24,9 @@ The rest is arithmetic on the recipe:
     rollout      KV cache of the generation + one no-grad forward of the reference/critic/reward (the
                  reward model's under the run's autocast: 2 B a value with bf16/fp16)
     runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
-                 on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured)
+                 on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured;
+                 with gradient checkpointing a share of what the layers compute and free,
+                 CPU_HEAP_RETENTION_CHECKPOINTED)
 
 Peak = weights + LoRA + gradients + optimizer + runtime + max(update activations, rollout working set).
 Importing this module does not import torch; ``describe_model`` does (for the meta-device models). Each
@@ -46,6 +48,15 @@ RUNTIME_GB = {"cpu": 0.45, "cuda": 0.5}
 # CPU: peak RSS above the live tensors, in update activations: glibc keeps the freed ones for reuse
 # (engine/malloc.keep_freed_memory) and fragments (docs/benchmarks.md, "Peak memory per configuration").
 CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
+# CPU with gradient checkpointing: peak RSS above the live tensors, in the activations the layers compute
+# and free (those the update would keep without checkpointing: each layer's forward and its recompute
+# allocate them and free them at once). The live tensors stay small (SmolLM2, LoRA r16, 8 x 139 tokens:
+# 0.19 GB above the step's start at the forward's peak, 0.22 in the backward, torch.profiler's memory
+# events), but glibc's heap does not reuse the freed blocks, which the small long-lived allocations
+# of the autograd graph, built in between, split; the resident set rose 0.81 / 1.43 / 2.81 GB
+# beyond the weights at 4 / 8 / 16 rows: 0.84 / 0.80 / 0.83 x those activations over what the plan
+# counts already (benchmarks/checkpointed_update_memory.py; docs/benchmarks.md, Round 4).
+CPU_HEAP_RETENTION_CHECKPOINTED = 0.8
 ADAMW_STATES = 2
 
 
@@ -265,12 +276,14 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     cb = 2.0 if s.mixed_precision != "no" else b[s.dtype]  # autocast: matmul outputs in half precision
     trains_weights = lora is None
     r = lora.r if lora is not None else 0
+    per_layer = activation_floats_per_token_layer(policy, trains_weights, r, L)
+    computed = B * L * policy.layers * per_layer * cb  # what the layers compute for the backward, all of them
     if s.gradient_checkpointing:  # layer inputs kept; one layer's activations live during its recompute
-        per_token = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, trains_weights, r, L)
+        per_token = policy.layers * policy.hidden + per_layer
         how = f"checkpointed: {B} x {L} tokens x ({policy.layers} layer inputs + 1 layer) x {cb:g} B"
     else:
-        per_token = policy.layers * activation_floats_per_token_layer(policy, trains_weights, r, L)
-        how = f"{B} x {L} tokens x {policy.layers} layers x {per_token / policy.layers:,.0f} values x {cb:g} B"
+        per_token = policy.layers * per_layer
+        how = f"{B} x {L} tokens x {policy.layers} layers x {per_layer:,.0f} values x {cb:g} B"
     act = B * L * per_token * cb
     update = [Line("policy", "activations (update)", act / GB, how, "update")]
     if s.mixed_precision != "no" and trains_weights and b[s.dtype] > 2:
@@ -295,7 +308,13 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     logits = copies * rows * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
-    if s.device == "cpu":
+    if s.device == "cpu" and s.gradient_checkpointing:
+        # What the heap keeps follows what the layers compute and free, not the layer inputs kept.
+        factor = CPU_HEAP_RETENTION_CHECKPOINTED
+        update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
+                           f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
+                           "layers compute and free stay resident (measured)", "update"))
+    elif s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
         # (docs/benchmarks.md, "Peak memory per configuration").

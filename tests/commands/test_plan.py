@@ -14,6 +14,7 @@ from ppo_cli.cli import app
 from ppo_cli.errors import EXIT_DOES_NOT_FIT
 from ppo_cli.plan_memory import (
     CPU_HEAP_RETENTION,
+    CPU_HEAP_RETENTION_CHECKPOINTED,
     GB,
     QUANT_BYTES,
     RUNTIME_GB,
@@ -247,6 +248,21 @@ def test_gradient_checkpointing_keeps_layer_inputs_only(model_dir):
     est = estimate(settings(gradient_checkpointing=True), shape, None, [])
     per = 2 * 16 + (8 * 16 + 4 * 32 + 7 * 4 + 5)  # 2 layer inputs + one layer being recomputed
     assert parts(est)["policy", "activations (update)"] == pytest.approx(2 * 10 * per * 4)
+
+
+def test_checkpointed_update_on_cpu_keeps_heap_in_what_the_layers_compute_and_free(model_dir):
+    shape = describe_model(str(model_dir), "causal_lm")
+    cpu = parts(estimate(settings(gradient_checkpointing=True), shape, None, []))
+    # 2 rows x 10 tokens x 2 layers x (8 x 16 + 4 x 32 + 7 x 4 LoRA + 10 / 2 mask) x 4 B = 46,240 B computed and
+    # freed by the layers' forwards and recomputes; 0.8 of it stays resident, not 0.8 of the layer inputs kept
+    assert CPU_HEAP_RETENTION_CHECKPOINTED == 0.8
+    assert cpu["runtime", "freed memory kept (update)"] == pytest.approx(0.8 * 46_240)
+    # the same activations kept whole (no checkpointing): the heap term stays 2.2 x them
+    whole = parts(estimate(settings(), shape, None, []))
+    assert whole["policy", "activations (update)"] == pytest.approx(46_240)
+    assert whole["runtime", "freed memory kept (update)"] == pytest.approx(2.2 * 46_240)
+    cuda = parts(estimate(settings(gradient_checkpointing=True, device="cuda"), shape, None, []))
+    assert ("runtime", "freed memory kept (update)") not in cuda
 
 
 def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):
