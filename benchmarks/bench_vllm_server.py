@@ -212,6 +212,7 @@ def run_trainer(backend: str, recipe_args: list[str], policy: Path, updates: int
     """One `ppo train` of ``updates`` updates with ``backend``, watched from outside: per update its metrics
     and the server's CPU seconds since the previous update; per run the trainer's CPU and peak RSS."""
     run_dir = out / backend
+    out.mkdir(parents=True, exist_ok=True)
     sets = {"policy.path": policy, "output_dir": run_dir, "name": "bench", "train.total_updates": updates,
             "train.save_every": updates, "train.sample_every": 1000, "train.mixed_precision": "no",
             "policy.dtype": "float32", "data.eval_prompts": "null", "generation.backend": backend}
@@ -323,12 +324,15 @@ def main() -> None:
                       f"trainer CPU {[round(x['time/step_cpu_s'], 1) for x in m]}, server CPU "
                       f"{[round(x, 1) for x in result['server_cpu_per_update']]}, peak {result['trainer_peak_gb']:.2f} GB",
                       flush=True)
-        server_peak = sum(status_gb(pid, "VmHWM") for pid in process_tree(server.pid))
+        server_peaks = {f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}": status_gb(pid, "VmHWM")
+                        for pid in process_tree(server.pid)}
+        server_peak = sum(server_peaks.values())
+        print(f"server processes' peak RSS (VmHWM) GB: {server_peaks}", flush=True)
     finally:
         stop_server(server)
     out = args.out or work / "results.json"
     out.write_text(json.dumps({"machine": machine_record(), "model": args.model, "policy": str(policy),
-                               "server_peak_gb": server_peak, "results": results}, indent=1))
+                               "server_peak_gb": server_peak, "server_peaks_gb": server_peaks, "results": results}, indent=1))
     print(table(results, server_peak))
     print(f"results: {out}; logs under {work}")
 
