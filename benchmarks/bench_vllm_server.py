@@ -231,16 +231,21 @@ def run_trainer(backend: str, recipe_args: list[str], policy: Path, updates: int
     seen = 0
     with open(log, "w") as stream:
         proc = subprocess.Popen(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT)
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
-        if len(lines) > seen:  # an update ended: the server's CPU since the previous one
-            server_cpu += [cpu_seconds(server_pids)] * (len(lines) - seen)
-            loads.append(load_average())
-            seen = len(lines)
-        if pid:
-            break
-        time.sleep(0.2)
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+            if len(lines) > seen:  # an update ended: the server's CPU since the previous one
+                server_cpu += [cpu_seconds(server_pids)] * (len(lines) - seen)
+                loads.append(load_average())
+                seen = len(lines)
+            if pid:
+                break
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     wall = time.perf_counter() - started
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
@@ -296,6 +301,8 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more recipe override for every run (e.g. ppo.ppo_epochs=1), repeatable")
     ap.add_argument("--out", type=Path, help="results JSON (default: under the work directory)")
     args = ap.parse_args()
     from ppo_cli.engine.precision_probe import machine_record
@@ -304,6 +311,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix=f"ppo_cli-bench-server-{args.model}-"))
     cache = Path(tempfile.gettempdir()) / "ppo_cli-bench-vllm-models"
     policy, recipe_args, max_len = model_setup(args.model, cache)
+    for item in args.set:
+        recipe_args += ["--set", item]
+    # a SIGTERM to this script goes through the finally below: the server is stopped, not left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
     server, url = start_server(policy, max_len, work / "server.log")
     server_pids = process_tree(server.pid)
     idle = cpu_seconds(server_pids)
