@@ -4,7 +4,10 @@ a few updates each, float32 everywhere, each trainer in a process of its own.
 Run in the vLLM venv (scripts/vllm_test.sh --setup-only makes it), e.g.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_server.py --model tiny --updates 3 --rounds 2
-    .venv-vllm/bin/python benchmarks/bench_vllm_server.py --model smollm2 --updates 2
+    .venv-vllm/bin/python benchmarks/bench_vllm_server.py --model smollm2 --updates 2 \
+        --set ppo.ppo_epochs=1 --set generation.max_new_tokens=48
+
+Results and their machine: docs/vllm.md, "Benchmark: server, in-process engine and transformers".
 
 The script starts one server for the model (as docs/vllm.md says: LoRA with runtime updating, float32,
 processed log-probs, on CPU --enforce-eager), then runs `ppo train` with generation.backend vllm_server,
