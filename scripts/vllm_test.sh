@@ -10,7 +10,7 @@
 # 6 minutes for the training tests (four short runs, each starting its own vLLM engine), two short SmolLM2
 # runs (skipped, saying why, where the model cannot be fetched) and a few more for rollout, eval and
 # compare, about 3 minutes for the
-# vllm_server tests (one `vllm serve` for the module, two updates and a rollout through it), plus the tiny
+# vllm_server tests (one `vllm serve` for the module, two updates, a rollout, an eval and a compare through it), plus the tiny
 # models' build if scripts/test.sh has not cached them under .cache/ yet. Extra arguments go to pytest;
 # --setup-only makes the venv and stops.
 set -euo pipefail

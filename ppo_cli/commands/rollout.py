@@ -45,7 +45,10 @@ def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: Samp
     from ppo_cli.runs import write_jsonl_atomic
 
     engine = load_inference_engine(recipe, model, columns=columns)
-    rows = sample_rows(engine, model, prompts, settings, with_tokens=tokens, progress=progress)
+    try:
+        rows = sample_rows(engine, model, prompts, settings, with_tokens=tokens, progress=progress)
+    finally:  # a vLLM server's copy of the adapter is unloaded, as eval and compare do
+        release(engine)
     if columns is not None and columns.names:
         found = columns.columns_for([row["prompt"] for row in rows])
         for i, row in enumerate(rows):

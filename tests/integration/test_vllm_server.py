@@ -1,6 +1,7 @@
 """generation.backend: vllm_server against a real `vllm serve` on CPU (skipped where vllm is not installed:
 scripts/vllm_test.sh makes a venv with it and runs these). One server for the module, on the tiny policy
-rewritten with 32-dim heads (tests/fixtures/vllm_models.py); the trainer talks to it over loopback HTTP.
+rewritten with 32-dim heads (tests/fixtures/vllm_models.py); the trainer talks to it over loopback HTTP, and
+so do `ppo rollout`, `ppo eval` and `ppo compare` on the run it trained.
 The wire protocol and each failure's line: tests/engine/test_vllm_server_sampler.py (a fake server)."""
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def test_rollout_samples_the_aligned_adapter_from_the_server(run, server, tmp_pa
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 8 and {r["generation"]["backend"] for r in rows} == {"vllm_server"}
+    assert _served_models(server) == [SERVED_NAME]  # the adapter it loaded, unloaded at the end
 
     recipe = load_recipe(run_dir / "recipe.yaml", [f"generation.temperature={GREEDY}", "generation.max_new_tokens=12"])
     engine = load_inference_engine(recipe, resolve_model_reference("aligned", run_dir))
@@ -158,3 +160,26 @@ def test_rollout_samples_the_aligned_adapter_from_the_server(run, server, tmp_pa
     # the aligned policy's argmax to within 0.05; the base would put some of those tokens well below its own.
     assert own.numel() > 0 and own.max().item() < 0.05, own.max().item()
     assert base.max().item() > own.max().item(), (base.max().item(), own.max().item())
+
+
+def test_eval_and_compare_sample_from_the_server(run, server, tmp_path):
+    """`ppo eval aligned` and `ppo compare base aligned` through the server (they load models as `ppo rollout`
+    does): the same prompts and seed give eval's rows and compare's aligned side the same responses (one seed
+    per request), the base's KL to itself is exactly 0 and the aligned adapter's is not, and both commands
+    leave the server with its base model only."""
+    run_dir, _ = run
+    prompts = tmp_path / "four.txt"
+    prompts.write_text("\n".join((ROOT / "recipes/prompts/reviews_eval.txt").read_text().splitlines()[:4]) + "\n")
+    common = ["--run", str(run_dir), "--prompts", str(prompts), "--max-new-tokens", "8"]
+    result = runner.invoke(app, ["eval", "aligned", *common, "--out", str(tmp_path / "eval.json")])
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["generation"]["backend"] == "vllm_server"
+    result = runner.invoke(app, ["compare", "base", "aligned", *common, "--out", str(tmp_path / "compare")])
+    assert result.exit_code == 0, result.output
+    compared = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    assert compared["b"]["generation"]["backend"] == "vllm_server"
+    assert compared["b"]["reward"] == evaluated["reward"] and compared["b"]["kl"] == evaluated["kl"]
+    assert [p["a_kl"] for p in compared["rows"]] == [0.0] * 4  # the base is its own reference
+    assert all(p["b_kl"] != 0.0 for p in compared["rows"])
+    assert _served_models(server) == [SERVED_NAME]
