@@ -90,18 +90,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=run_order)  # stable: each module's tests keep their order
 
 
-# The longest single piece of the suite (SmolLM2's 5-update run, about 13 of CI's minutes on one core).
-LONGEST_FIRST = ("tests/integration/test_smollm2.py",)
+# The longest test files in CI, longest first (`.ci/run` prints every test over 8 s): SmolLM2's 5-update
+# run alone took 13 of CI's minutes on one core.
+LONGEST_FIRST = (
+    "tests/integration/test_smollm2.py",
+    "tests/integration/test_readme_multiprocess.py",
+    "tests/integration/test_fsdp.py",
+    "tests/integration/test_critic_free.py",
+    "tests/integration/test_remote_rewards.py",
+    "tests/integration/test_reliability.py",
+    "tests/engine/envs/test_tiny_tools.py",
+    "tests/integration/test_multi_node.py",
+)
 
 
-def run_order(item) -> int:
-    """0 the longest module, 1 the other slow tests, 2 the fast ones. Under xdist's worksteal the first
-    worker starts on the front of this order and the second on the middle of the slow ones (building
-    the tiny models meanwhile), and whichever is idle takes tests from the other's end: started last,
-    the SmolLM2 run kept one worker busy for 13 minutes after the other had finished everything."""
-    if item.nodeid.split("::")[0] in LONGEST_FIRST:
-        return 0
-    return 1 if item.get_closest_marker("slow") is not None else 2
+def run_order(item) -> tuple[int, int]:
+    """The files of LONGEST_FIRST in that order, then the other slow tests, then the fast ones.
+    scripts/test.sh gives each file whole to the next idle xdist worker in this order (--dist loadfile):
+    the long runs start first and the short files fill the end. Under worksteal the SmolLM2 module
+    started last and was split between the two workers, which each ran its 13-minute run."""
+    path = item.nodeid.split("::")[0]
+    if path in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(path)
+    return (1 if item.get_closest_marker("slow") is not None else 2), 0
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -135,7 +135,7 @@ def test_test_sh_passes_its_pytest_arguments_to_pytest_not_to_the_venv_setup(tmp
     (repo / ".venv").symlink_to(machine.venv)
     env = {"PATH": f"{machine.bin}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PIP_LOG": str(machine.log),
            "TORCH_IMPORT_RC": "0"}
-    for workers, pytest_line in (("3", "-m pytest -n 3 --dist worksteal -q -x"), ("1", "-m pytest -q -x")):
+    for workers, pytest_line in (("3", "-m pytest -n 3 --dist loadfile --no-loadscope-reorder -q -x"), ("1", "-m pytest -q -x")):
         result = subprocess.run(["bash", "scripts/test.sh", "-q", "-x"], cwd=repo, env=env | {"PPO_TEST_WORKERS": workers},
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
