@@ -92,3 +92,72 @@ class ScriptedSampler:
         logprobs = torch.where(mask, -ids.float() / 1000, 0.0) if with_logprobs else None
         hidden = ids.float().unsqueeze(-1).expand(-1, -1, 2).clone() if keep_hidden else None
         return Sampled(generation, logprobs, hidden, True)
+
+
+# Python environment classes the multi-turn and overlap tests name by `path:Class` (envs_file).
+ENVIRONMENTS = '''
+import asyncio, time
+
+class Crashes:
+    def reset(self, row, seed):
+        return None
+    def step(self, message):
+        raise RuntimeError("the game server fell over")
+
+class CrashesAtReset:
+    def reset(self, row, seed):
+        raise KeyError("board")
+    def step(self, message):
+        return {"done": True}
+
+class Sleeps:
+    def reset(self, row, seed):
+        return None
+    def step(self, message):
+        time.sleep(5)
+
+class Async:
+    closed = []
+    def __init__(self, answer="Lower."):
+        self.answer = answer
+    async def reset(self, row, seed):
+        await asyncio.sleep(0)
+        return [{"role": "user", "content": f"row {row['prompt']}, seed {seed}"}]
+    async def step(self, message):
+        await asyncio.sleep(0.01)
+        return {"observation": self.answer, "reward": 0.5, "done": False}
+    async def close(self):
+        Async.closed.append(True)
+
+class BadAnswer:
+    def reset(self, row, seed):
+        return None
+    def step(self, message):
+        return {"observation": 3, "done": False}
+
+class CrashesOnP3:
+    closed = []
+    def reset(self, row, seed):
+        self.prompt = row["prompt"]
+    def step(self, message):
+        if self.prompt == "p3":
+            raise RuntimeError("p3's board is gone")
+        return {"observation": "again", "done": False}
+    def close(self):
+        CrashesOnP3.closed.append(self.prompt)
+
+class Seeded:
+    def reset(self, row, seed):
+        return f"row {row['prompt']}, seed {seed}"
+    async def step(self, message):
+        return {"observation": "more", "reward": 0.5, "done": False}
+'''
+
+
+@pytest.fixture()
+def envs_file(tmp_path) -> str:
+    """ENVIRONMENTS written to a fresh file: each test imports its own module (class-level state such as
+    `closed` starts empty)."""
+    path = tmp_path / "envs.py"
+    path.write_text(ENVIRONMENTS)
+    return str(path)

@@ -169,55 +169,6 @@ def test_python_environment_reset_grows_the_prompt_and_a_group_shares_its_number
         ids(chatml, f"\n<|im_start|>user\n{hint}<|im_end|>\n<|im_start|>assistant\n"))
 
 
-ENVIRONMENTS = '''
-import asyncio, time
-
-class Crashes:
-    def reset(self, row, seed):
-        return None
-    def step(self, message):
-        raise RuntimeError("the game server fell over")
-
-class CrashesAtReset:
-    def reset(self, row, seed):
-        raise KeyError("board")
-    def step(self, message):
-        return {"done": True}
-
-class Sleeps:
-    def reset(self, row, seed):
-        return None
-    def step(self, message):
-        time.sleep(5)
-
-class Async:
-    closed = []
-    def __init__(self, answer="Lower."):
-        self.answer = answer
-    async def reset(self, row, seed):
-        await asyncio.sleep(0)
-        return [{"role": "user", "content": f"row {row['prompt']}, seed {seed}"}]
-    async def step(self, message):
-        await asyncio.sleep(0.01)
-        return {"observation": self.answer, "reward": 0.5, "done": False}
-    async def close(self):
-        Async.closed.append(True)
-
-class BadAnswer:
-    def reset(self, row, seed):
-        return None
-    def step(self, message):
-        return {"observation": 3, "done": False}
-'''
-
-
-@pytest.fixture()
-def envs_file(tmp_path):
-    path = tmp_path / "envs.py"
-    path.write_text(ENVIRONMENTS)
-    return str(path)
-
-
 def test_a_crashing_step_fails_its_episode_and_is_counted(chatml, envs_file):
     result, _, _ = run(chatml, {"type": "python", "class": f"{envs_file}:Crashes"}, [["5", "6"]], ["a", "b"])
     assert [r.ended_by for r in result.episodes] == ["failed", "failed"]

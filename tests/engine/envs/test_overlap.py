@@ -183,47 +183,6 @@ def test_one_waves_steps_run_while_the_other_wave_samples(chatml, tmp_path):
     assert [(r.ended_by, r.step_reward) for r in result.episodes] == [("done", 1.0), ("done", 1.0)]
 
 
-ENVIRONMENTS = '''
-import time
-
-class Crashes:
-    def reset(self, row, seed):
-        return None
-    def step(self, message):
-        raise RuntimeError("the game server fell over")
-
-class Sleeps:
-    def reset(self, row, seed):
-        return None
-    def step(self, message):
-        time.sleep(5)
-
-class CrashesOnP3:
-    closed = []
-    def reset(self, row, seed):
-        self.prompt = row["prompt"]
-    def step(self, message):
-        if self.prompt == "p3":
-            raise RuntimeError("p3's board is gone")
-        return {"observation": "again", "done": False}
-    def close(self):
-        CrashesOnP3.closed.append(self.prompt)
-
-class Seeded:
-    def reset(self, row, seed):
-        return f"row {row['prompt']}, seed {seed}"
-    async def step(self, message):
-        return {"observation": "more", "reward": 0.5, "done": False}
-'''
-
-
-@pytest.fixture()
-def envs_file(tmp_path):
-    path = tmp_path / "envs.py"
-    path.write_text(ENVIRONMENTS)
-    return str(path)
-
-
 def test_with_overlap_a_crashing_step_fails_its_episode_and_is_counted(chatml, envs_file):
     result, _ = run(chatml, {"type": "python", "class": f"{envs_file}:Crashes", "overlap": True}, [["5"], ["6"], ["7"]])
     assert [r.ended_by for r in result.episodes] == ["failed"] * 3
