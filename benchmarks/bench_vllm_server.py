@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests.fixtures.vllm_server import start_server, stop_server  # noqa: E402 - after the path
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BACKENDS = ("vllm_server", "vllm", "hf")
 SERVED_NAME = "bench-base"
@@ -165,24 +165,9 @@ def model_setup(name: str, cache: Path) -> tuple[Path, list[str], int]:
 # --- the server --------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(policy: Path, max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine in its own process, as deployed
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy),
-           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1", "--max-model-len", str(max_model_len),
-           "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-           "--enforce-eager"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def serve(policy: Path, max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server as the vLLM tests start it (tests/fixtures/vllm_server.py), once it answers."""
+    proc, url = start_server(policy, SERVED_NAME, max_model_len, log)
     started = time.monotonic()
     while True:
         if proc.poll() is not None:
@@ -195,17 +180,8 @@ def start_server(policy: Path, max_model_len: int, log: Path) -> tuple[subproces
                 stop_server(proc)
                 sys.exit(f"the server did not answer within 900 s; its log: {log}")
             time.sleep(1)
-    print(f"server up in {time.monotonic() - started:.0f} s: {' '.join(cmd)}", flush=True)
+    print(f"server up in {time.monotonic() - started:.0f} s: {' '.join(proc.args)}", flush=True)
     return proc, url
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its engine process
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 # --- one run -----------------------------------------------------------------------------------------------------
@@ -318,7 +294,7 @@ def main() -> None:
         recipe_args += ["--set", item]
     # a SIGTERM to this script goes through the finally below: the server is stopped, not left running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
-    server, url = start_server(policy, max_len, work / "server.log")
+    server, url = serve(policy, max_len, work / "server.log")
     server_pids = process_tree(server.pid)
     idle = cpu_seconds(server_pids)
     time.sleep(10)

