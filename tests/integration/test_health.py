@@ -26,7 +26,7 @@ def wild_run(tiny_models, tmp_path_factory):
     prompts = out / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     sets = tiny_overrides(tiny_models, out, **{
-        "name": "wild", "data.prompts": prompts, "data.eval_prompts": "null",
+        "name": "wild", "data.prompts": prompts,
         # a KL penalty too small to hold the policy near the reference, and big steps (kl_coef 0 would
         # skip the reference forward and leave the KL unmeasured: docs/memory.md)
         "ppo.kl_coef": 1e-6, "optim.lr": 3e-2,

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 SHORT = {
-    "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    "data.prompts": ROOT / "recipes/prompts/reviews.txt",
     "train.total_updates": 2, "ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
     "generation.max_new_tokens": 12,
 }
