@@ -105,6 +105,9 @@ def ours_recipe(args) -> dict:
 
 
 def cmd_ours(args) -> None:
+    from ppo_cli.engine.malloc import ask_torch_for_huge_pages
+
+    ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads (engine/malloc.py)
     tracer = PhaseTracer()
     import yaml
 

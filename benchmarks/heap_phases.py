@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """The glibc heap tuning's price in memory, update by update (issue 33 item 4).
 
-    python benchmarks/heap_phases.py --malloc trim|keep|off [--updates 3] [--threads 1] [--set section.key=value ...]
+    python benchmarks/heap_phases.py --malloc mapped|trim|keep|off [--updates 3] [--threads 1] [--set section.key=value ...]
 
 Runs bench_vs_trl_grpo.py's ``ours`` (the SmolLM2 GRPO shape, phase_rss.py naming the phases) in this
-process with the heap as ``--malloc`` says: ``trim`` is what `ppo train` does where its rule keeps the
-tuning (engine/malloc.keep_freed_memory, and release_freed_memory once per update, after the update's
-optimizer steps); ``keep`` the tuning without that trim (ppo_cli before 2026-11-28's item 4); ``off``
-neither (glibc's own thresholds).
+process with the heap as ``--malloc`` says: ``mapped`` is what `ppo train` does where the kernel grants
+transparent huge pages on request and the update is checkpointed (engine/malloc.heap_mapped: blocks of
+1 MiB or more mapped on huge pages); ``trim`` what it does elsewhere where its rule keeps the tuning
+(engine/malloc.keep_freed_memory, and release_freed_memory once per update, after the update's
+optimizer steps; torch's huge-page switch THP_MEM_ALLOC_ENABLE=0 here); ``keep`` the tuning without
+that trim (ppo_cli before 2026-11-28's item 4); ``off`` neither (glibc's own thresholds).
 Appends a record to .cache/bench/results/heap-phases.jsonl and prints the peak per update and phase.
 Run each setting in a fresh process: the peak is the process's. Never imported by ppo_cli or its tests.
 """
@@ -25,16 +27,25 @@ import bench_vs_trl_grpo as bench  # noqa: E402  (beside this file)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--malloc", choices=("trim", "keep", "off"), default="trim")
+    ap.add_argument("--malloc", choices=("mapped", "trim", "keep", "off"), default="trim")
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args()
+    import os
+
+    from ppo_cli.engine import malloc
+
+    # before torch loads: torch reads its huge-page switch at its first allocation
+    if args.malloc == "mapped" and not malloc.ask_torch_for_huge_pages() and not malloc.large_blocks_on_huge_pages():
+        sys.exit(f"--malloc mapped: the kernel's THP mode is {malloc.transparent_huge_pages()!r} (madvise or always needed)")
+    if args.malloc != "mapped":
+        os.environ[malloc.TORCH_THP_SWITCH] = "0"
     import ppo_cli.engine.engine as engine_module
     import ppo_cli.trainer as trainer_module
 
     if args.malloc == "off":
-        engine_module.keep_freed_memory = lambda: None
+        engine_module.tune_for_training = lambda gradient_checkpointing: None
     if args.malloc in ("off", "keep"):
         trainer_module.release_freed_memory = lambda: None
     bench.RESULTS = bench.ROOT / ".cache" / "bench" / "results" / "heap-phases.jsonl"

@@ -6,7 +6,7 @@
 Runs `ppo train RECIPE --set ...` in this process (the CLI's own code path: recipe, plan-driven
 choices, engine, trainer) and prints one JSON line: the recipe, the overrides, the malloc setting,
 the peak RSS (``ru_maxrss``, GB), the wall and the process CPU seconds. ``--malloc off`` replaces
-engine/malloc.keep_freed_memory and the trainer's once-per-update release_freed_memory with nothing before
+engine/malloc.tune_for_training and the trainer's once-per-update release_freed_memory with nothing before
 the engine loads (glibc's own thresholds), whatever the rule says; ``keep`` only the trim (the tuning as
 it was before issue 33 item 4); ``on`` (default) leaves the run's own choice. Run each setting in a fresh
 process: the peak is the process's. Never imported by ppo_cli or its tests.
@@ -27,12 +27,15 @@ def main() -> None:
     parser.add_argument("--malloc", choices=("on", "keep", "off"), default="on")
     parser.add_argument("--set", dest="sets", action="append", default=[])
     args = parser.parse_args()
+    from ppo_cli.engine import malloc
+
+    malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
     import ppo_cli.engine.engine as engine_module
 
     import ppo_cli.trainer as trainer_module
 
     if args.malloc == "off":
-        engine_module.keep_freed_memory = lambda: None
+        engine_module.tune_for_training = lambda gradient_checkpointing: None
     if args.malloc in ("keep", "off"):
         trainer_module.release_freed_memory = lambda: None
     from ppo_cli.cli import main as cli_main

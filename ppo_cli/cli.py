@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     """The `ppo` console script. Errors are mapped to one line in ``_OneLineErrors``; this is the
     last resort for anything raised outside a subcommand."""
     args = _bare_resume(_debug_first(list(sys.argv[1:] if argv is None else argv)))
+    from ppo_cli.engine.malloc import ask_torch_for_huge_pages
+
+    ask_torch_for_huge_pages()  # before any command imports torch (engine/malloc.py)
     try:
         app(args=args, prog_name="ppo")
     except (Exception, KeyboardInterrupt) as err:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ppo_cli.auto import value_kind, value_model_path, value_settings, weights_dtype
 from ppo_cli.engine.critics import CRITICS
+from ppo_cli.engine.malloc import large_blocks_on_huge_pages
 from ppo_cli.plan_units import DTYPE_BYTES, GB, QUANT_BYTES, Line, activation_floats_per_token_layer, weights_how
 from ppo_cli.recipe import LoraConfig, Recipe
 
@@ -203,6 +204,7 @@ class Settings:
     mixed_precision: str = "no"  # train.mixed_precision resolved: bf16/fp16 autocast computes activations in 2 B
     fsdp_per_block: bool = False  # FSDP never gathers the whole policy: rollout per block, no evaluation
     entropy_bonus: bool = False  # ppo.entropy_coef > 0: the entropy's softmax is kept for the backward
+    cpu_heap_mapped: bool = False  # CPU: large blocks get huge pages, so a checkpointed update maps them (engine/malloc.heap_mapped)
 
 
 @dataclass
@@ -308,7 +310,9 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     logits = copies * rows * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
-    if s.device == "cpu" and s.gradient_checkpointing:
+    if s.device == "cpu" and s.cpu_heap_mapped and s.gradient_checkpointing:
+        pass  # each freed block of 1 MiB or more goes back to the kernel: the heap keeps nothing of note
+    elif s.device == "cpu" and s.gradient_checkpointing:
         # What the heap keeps follows what the layers compute and free, not the layer inputs kept.
         factor = CPU_HEAP_RETENTION_CHECKPOINTED
         update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
@@ -553,6 +557,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         value_frozen=frozen, optimizer=recipe.optim.name,
         mixed_precision=mixed_precision,
         entropy_bonus=recipe.ppo.entropy_coef > 0,
+        cpu_heap_mapped=device == "cpu" and large_blocks_on_huge_pages(),
         # Evaluation gathers the whole policy on every process.
         fsdp_per_block=recipe.train.fsdp_rollout == "per_block" and not recipe.data.eval_prompts,
         value_shared=frozen and any(

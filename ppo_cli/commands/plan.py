@@ -124,7 +124,7 @@ class RunChoices:
     """What `ppo train` takes from the memory plan before it loads a model."""
 
     checkpointing: CheckpointingChoice  # train.gradient_checkpointing resolved
-    heap_tuning: bool  # CPU: engine/malloc.keep_freed_memory (EngineOptions.cpu_malloc_tuning)
+    heap_tuning: bool  # CPU: engine/malloc.tune_for_training (EngineOptions.cpu_malloc_tuning)
     heap_reason: str  # e.g. 'heap tuning on (planned 1.46 GB + 10% <= 80% of 22.0 GB available)'; '' off CPU
 
     def describe(self) -> str:
@@ -155,6 +155,8 @@ def planned_choices(recipe: Recipe, device: str, mixed_precision: str) -> RunCho
     planned = total_estimate(dataclasses.replace(settings, gradient_checkpointing=checkpointing.value), shapes)
     if device != "cpu":
         return RunChoices(checkpointing, True, "")
+    if settings.cpu_heap_mapped and checkpointing.value:  # engine/malloc.heap_mapped: nothing kept, no memory to agree to
+        return RunChoices(checkpointing, True, "heap: blocks of 1 MiB or more mapped on huge pages, freed at once")
     on, why = tuning_fits(planned.total_gb, memory)
     return RunChoices(checkpointing, on, why)
 

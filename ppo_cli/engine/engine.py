@@ -25,7 +25,7 @@ from ppo_cli.engine.actor_critic import (
     value_forward,
     values_from_hidden,
 )
-from ppo_cli.engine.malloc import keep_freed_memory
+from ppo_cli.engine.malloc import tune_for_training
 from ppo_cli.engine.models import (
     POLICY_ADAPTER,
     is_quantized,
@@ -49,9 +49,10 @@ class EngineOptions:
     # Reference and critic forwards under torch.inference_mode (outputs cloned back to normal tensors);
     # the policy's own tensors stay out of it, they meet autograd in the update.
     inference_mode: bool = True
-    # CPU: keep freed activation memory in the process instead of handing it back to the kernel after
-    # every backward (engine/malloc.py keep_freed_memory). Measured at the 0.5B shape on 2 cores:
-    # backward 9.8 -> 5.8 s per update, peak resident memory +5% (docs/benchmarks.md).
+    # CPU: tune glibc's heap for training (engine/malloc.py tune_for_training): large blocks mapped on
+    # transparent huge pages where torch gets them, else freed activation memory kept in the process
+    # instead of handed back to the kernel after every backward (measured at the 0.5B shape on 2 cores:
+    # backward 9.8 -> 5.8 s per update, peak resident memory +5%; docs/benchmarks.md).
     cpu_malloc_tuning: bool = True
     # One forward of a reward model that is also the frozen critic, for its scores and the critic's
     # features, instead of one each (engine/shared_reward.py).
@@ -383,8 +384,10 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     check_mixed_precision(mixed_precision, device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
+    if gradient_checkpointing is None:
+        gradient_checkpointing = recipe.train.gradient_checkpointing is True
     if device.type == "cpu" and options.cpu_malloc_tuning:
-        keep_freed_memory()
+        tune_for_training(gradient_checkpointing)
     pol = recipe.policy
     tokenizer = load_tokenizer(pol.path, trust_remote_code=pol.trust_remote_code, revision=pol.revision)
     stop_token_id = resolve_stop_token_id(tokenizer, recipe.generation.stop_token)
@@ -392,8 +395,6 @@ def load_engine(recipe: Recipe, device: torch.device | None = None, mixed_precis
     reward = RewardStack(recipe.reward, device, recipe.data.system_prompt, lambda: recipe_prompt_columns(recipe.data),
                          max_new_tokens=recipe.generation.max_new_tokens, mixed_precision=mixed_precision)
     reward_models = {c.path: s.model for (_, _, s), c in zip(reward.scorers, recipe.reward.components) if c.loads_model}
-    if gradient_checkpointing is None:
-        gradient_checkpointing = recipe.train.gradient_checkpointing is True
     actor_critic = build_actor_critic(recipe, device, reward_models, gradient_checkpointing)
     if device.type == "cpu":
         for model in [actor_critic.policy, actor_critic.ref_model, *reward_models.values()]:

@@ -265,6 +265,18 @@ def test_checkpointed_update_on_cpu_keeps_heap_in_what_the_layers_compute_and_fr
     assert ("runtime", "freed memory kept (update)") not in cuda
 
 
+def test_a_checkpointed_update_whose_large_blocks_are_mapped_keeps_no_heap(model_dir):
+    """engine/malloc.heap_mapped: where large blocks get huge pages a checkpointed update maps them and
+    each goes back to the kernel when freed; without checkpointing the heap is kept as before."""
+    shape = describe_model(str(model_dir), "causal_lm")
+    mapped = parts(estimate(settings(gradient_checkpointing=True, cpu_heap_mapped=True), shape, None, []))
+    kept = parts(estimate(settings(gradient_checkpointing=True), shape, None, []))
+    assert ("runtime", "freed memory kept (update)") not in mapped
+    assert {k: v for k, v in kept.items() if k != ("runtime", "freed memory kept (update)")} == mapped
+    whole = parts(estimate(settings(cpu_heap_mapped=True), shape, None, []))
+    assert whole["runtime", "freed memory kept (update)"] == pytest.approx(2.2 * 46_240)
+
+
 def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     s = settings(lora=None, reference="copy", value_kind="model", micro_batch=4)

@@ -149,3 +149,23 @@ def test_heap_tuning_stays_on_while_the_planned_peak_and_its_extra_leave_a_fifth
     assert tuning_fits(8.0, 11.0) == (True, "heap tuning on (planned 8.00 GB + 10% <= 80% of 11.0 GB available)")
     assert tuning_fits(8.0, 10.9) == (False, "heap tuning off (planned 8.00 GB + 10% > 80% of 10.9 GB available)")
     assert tuning_fits(None, 64.0)[0] is False and tuning_fits(1.0, None)[0] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("checkpointing", "mapped"), [("true", True), ("false", False)])
+def test_a_checkpointed_run_maps_its_large_blocks_where_they_get_huge_pages(tiny_models, tmp_path, monkeypatch,
+                                                                            checkpointing, mapped):
+    """`ppo train`'s first line says which heap it runs with: mapped (engine/malloc.heap_mapped; no
+    memory to agree to, so no rule) where the update is checkpointed, else the tuning's rule."""
+    from ppo_cli import plan_memory
+    from ppo_cli.commands.plan import planned_choices
+
+    monkeypatch.setattr(plan_memory, "large_blocks_on_huge_pages", lambda: True)
+    recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml",
+                         tiny_overrides(tiny_models, tmp_path, **{"train.gradient_checkpointing": checkpointing}))
+    choices = planned_choices(recipe, "cpu", "no")
+    assert choices.heap_tuning is True
+    if mapped:
+        assert choices.heap_reason == "heap: blocks of 1 MiB or more mapped on huge pages, freed at once"
+    else:
+        assert choices.heap_reason.startswith("heap tuning on (planned ")

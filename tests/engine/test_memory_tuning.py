@@ -62,7 +62,7 @@ def _raise_stop(*args, **kwargs):
 @pytest.mark.parametrize("tuning", [False, True])
 def test_load_engine_tunes_malloc_on_cpu_only_when_its_options_say(monkeypatch, tuning):
     calls = []
-    monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(engine_module, "tune_for_training", lambda checkpointing: calls.append("keep"))
     monkeypatch.setattr(engine_module, "load_tokenizer", _raise_stop)  # stop before any model loads
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", ["train.num_threads=null"])
     with pytest.raises(_StopLoading):
@@ -134,3 +134,86 @@ def test_update_hands_the_tuned_heap_back_once_on_cpu_only(monkeypatch, device, 
     engine = SimpleNamespace(device=torch.device(device), options=EngineOptions(cpu_malloc_tuning=tuning))
     trainer.release_update_memory(engine)
     assert len(calls) == trims
+
+
+@pytest.mark.parametrize(("mode", "environ", "torch_loaded", "asks"), [
+    ("madvise", {}, False, True),   # the kernel grants huge pages on request: torch asks for them
+    ("always", {}, False, False),   # every mapping gets them already
+    ("never", {}, False, False),
+    (None, {}, False, False),       # no THP (not Linux)
+    ("madvise", {"THP_MEM_ALLOC_ENABLE": "0"}, False, False),  # the user's choice stands
+    ("madvise", {}, True, False),   # too late: torch read its switch at its first allocation
+])
+def test_ppo_asks_torch_for_huge_pages_only_where_the_kernel_grants_them_on_request(mode, environ, torch_loaded, asks):
+    from ppo_cli.engine.malloc import ask_torch_for_huge_pages, large_blocks_on_huge_pages
+
+    modules = {"torch": object()} if torch_loaded else {}
+    assert ask_torch_for_huge_pages(environ, modules, mode) is asks
+    assert environ.get("THP_MEM_ALLOC_ENABLE") == ("1" if asks else None if mode != "madvise" or not environ else "0")
+    assert large_blocks_on_huge_pages(environ, mode) is (asks or mode == "always")
+
+
+def test_the_kernels_thp_mode_is_the_bracketed_word(tmp_path):
+    from ppo_cli.engine.malloc import transparent_huge_pages
+
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    assert transparent_huge_pages(str(tmp_path / "enabled")) == "madvise"
+    assert transparent_huge_pages(str(tmp_path / "missing")) is None
+
+
+def test_training_maps_large_blocks_where_they_get_huge_pages_else_keeps_the_heap(monkeypatch):
+    from ppo_cli.engine import malloc
+
+    calls = []
+    monkeypatch.setattr(malloc, "map_large_blocks", lambda: calls.append("map"))
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(malloc, "large_blocks_on_huge_pages", lambda: True)
+    assert malloc.tune_for_training(gradient_checkpointing=True) == "mapped"
+    assert malloc.tune_for_training(gradient_checkpointing=False) == "kept"  # mapped costs +30% CPU there
+    monkeypatch.setattr(malloc, "large_blocks_on_huge_pages", lambda: False)
+    assert malloc.tune_for_training(gradient_checkpointing=True) == "kept"
+    assert calls == ["map", "keep", "keep"]
+
+
+HUGE_PAGE_PROBE = """
+import os
+from ppo_cli.engine import malloc
+assert malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
+import torch
+assert malloc.tune_for_training(gradient_checkpointing=True) == "mapped"
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def vm_flags(address):
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+before = resident()
+block = torch.ones(6 * 2**20 // 4)  # 6 MiB: an activation of SmolLM2's MLP at 8 x 139 tokens is 6.5
+flags = vm_flags(block.data_ptr())
+held = resident() - before
+del block
+print("hg" in flags, held, resident() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
+def test_a_large_block_is_advised_for_huge_pages_and_unmapped_when_freed():
+    """Where the kernel grants huge pages on request: ppo's entry point turns torch's switch on, the
+    block's mapping carries MADV_HUGEPAGE ('hg'), and freeing it hands its memory back at once."""
+    from ppo_cli.engine.malloc import transparent_huge_pages
+
+    if transparent_huge_pages() != "madvise":
+        pytest.skip(f"the kernel's THP mode is {transparent_huge_pages()!r}, not madvise")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], capture_output=True, text=True, check=True, env=env)
+    advised, held, left = out.stdout.split()[-3:]
+    assert advised == "True"
+    assert int(held) > 5 * 2**20 and int(held) - int(left) > 5 * 2**20  # resident while alive, returned on free
