@@ -26,7 +26,8 @@ The rest is arithmetic on the recipe:
     runtime      the process itself: CPU ~0.45 GB (torch, transformers, tokenizers); CUDA context ~0.5 GB;
                  on CPU also the freed activations glibc keeps resident (CPU_HEAP_RETENTION, measured;
                  with gradient checkpointing a share of what the layers compute and free,
-                 CPU_HEAP_RETENTION_CHECKPOINTED)
+                 CPU_HEAP_RETENTION_CHECKPOINTED, or CPU_HEAP_RETENTION_MAPPED where the large
+                 blocks are mapped on huge pages)
 
 Peak = weights + LoRA + gradients + optimizer + runtime + max(update activations, rollout working set).
 Importing this module does not import torch; ``describe_model`` does (for the meta-device models). Each
@@ -58,6 +59,12 @@ CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
 # beyond the weights at 4 / 8 / 16 rows: 0.84 / 0.80 / 0.83 x those activations over what the plan
 # counts already (benchmarks/checkpointed_update_memory.py; docs/benchmarks.md, Round 4).
 CPU_HEAP_RETENTION_CHECKPOINTED = 0.8
+# ... and with the blocks of 1 MiB or more mapped on huge pages (engine/malloc.heap_mapped): what the
+# smaller blocks left in the heap and the mapped blocks' page rounding add over the live tensors. The
+# peak above this plan without it was 0.35 GB at SmolLM2's PPO short run (8 x 139 tokens, 1.46 GB
+# computed: 0.24x) and 0.31 GB at its GRPO shape (16 x 91, 1.91 GB: 0.16x); 0.2x puts both within 5%
+# (docs/memory.md, "Large blocks on huge pages").
+CPU_HEAP_RETENTION_MAPPED = 0.2
 ADAMW_STATES = 2
 
 
@@ -310,14 +317,14 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     logits = copies * rows * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
-    if s.device == "cpu" and s.cpu_heap_mapped and s.gradient_checkpointing:
-        pass  # each freed block of 1 MiB or more goes back to the kernel: the heap keeps nothing of note
-    elif s.device == "cpu" and s.gradient_checkpointing:
-        # What the heap keeps follows what the layers compute and free, not the layer inputs kept.
-        factor = CPU_HEAP_RETENTION_CHECKPOINTED
+    if s.device == "cpu" and s.gradient_checkpointing:
+        # What the heap keeps follows what the layers compute and free, not the layer inputs kept; mapped
+        # on huge pages, the blocks of 1 MiB or more go back to the kernel when freed.
+        factor = CPU_HEAP_RETENTION_MAPPED if s.cpu_heap_mapped else CPU_HEAP_RETENTION_CHECKPOINTED
+        mapped = ", blocks of 1 MiB or more mapped on huge pages" if s.cpu_heap_mapped else ""
         update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
                            f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
-                           "layers compute and free stay resident (measured)", "update"))
+                           f"layers compute and free stay resident (measured{mapped})", "update"))
     elif s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
