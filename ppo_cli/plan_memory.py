@@ -320,11 +320,13 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     if s.device == "cpu" and s.gradient_checkpointing:
         # What the heap keeps follows what the layers compute and free, not the layer inputs kept; mapped
         # on huge pages, the blocks of 1 MiB or more go back to the kernel when freed.
-        factor = CPU_HEAP_RETENTION_MAPPED if s.cpu_heap_mapped else CPU_HEAP_RETENTION_CHECKPOINTED
-        mapped = ", blocks of 1 MiB or more mapped on huge pages" if s.cpu_heap_mapped else ""
+        # FSDP maps its own way (Distributed.prepare: engine/malloc.return_freed_memory), the heap trimmed
+        mapped = s.cpu_heap_mapped and s.sharding != "fsdp"
+        factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED
+        how = ", blocks of 1 MiB or more mapped on huge pages" if mapped else ""
         update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
                            f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
-                           f"layers compute and free stay resident (measured{mapped})", "update"))
+                           f"layers compute and free stay resident (measured{how})", "update"))
     elif s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
