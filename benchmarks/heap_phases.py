@@ -6,7 +6,7 @@
 Runs bench_vs_trl_grpo.py's ``ours`` (the SmolLM2 GRPO shape, phase_rss.py naming the phases) in this
 process with the heap as ``--malloc`` says: ``mapped`` is what `ppo train` does where the kernel grants
 transparent huge pages on request and the update is checkpointed (engine/malloc.heap_mapped: blocks of
-1 MiB or more mapped on huge pages); ``trim`` what it does elsewhere where its rule keeps the tuning
+2 MiB or more mapped on huge pages); ``trim`` what it does elsewhere where its rule keeps the tuning
 (engine/malloc.keep_freed_memory, and release_freed_memory once per update, after the update's
 optimizer steps; torch's huge-page switch THP_MEM_ALLOC_ENABLE=0 here); ``keep`` the tuning without
 that trim (ppo_cli before 2026-11-28's item 4); ``off`` neither (glibc's own thresholds).

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ppo_cli.auto import value_kind, value_model_path, value_settings, weights_dtype
 from ppo_cli.engine.critics import CRITICS
-from ppo_cli.engine.malloc import large_blocks_on_huge_pages
+from ppo_cli.engine.malloc import MAPPED_BLOCK_THRESHOLD, large_blocks_on_huge_pages
 from ppo_cli.plan_units import DTYPE_BYTES, GB, QUANT_BYTES, Line, activation_floats_per_token_layer, weights_how
 from ppo_cli.recipe import LoraConfig, Recipe
 
@@ -59,11 +59,11 @@ CPU_HEAP_RETENTION = {"frozen_base": 2.2, "trained": 0.8}
 # beyond the weights at 4 / 8 / 16 rows: 0.84 / 0.80 / 0.83 x those activations over what the plan
 # counts already (benchmarks/checkpointed_update_memory.py; docs/benchmarks.md, Round 4).
 CPU_HEAP_RETENTION_CHECKPOINTED = 0.8
-# ... and with the blocks of 1 MiB or more mapped on huge pages (engine/malloc.heap_mapped): what the
-# smaller blocks left in the heap and the mapped blocks' page rounding add over the live tensors. The
-# peak above this plan without it was 0.35 GB at SmolLM2's PPO short run (8 x 139 tokens, 1.46 GB
-# computed: 0.24x) and 0.31 GB at its GRPO shape (16 x 91, 1.91 GB: 0.16x); 0.2x puts both within 5%
-# (docs/memory.md, "Large blocks on huge pages").
+# ... and with the blocks of 2 MiB or more mapped on huge pages (engine/malloc.heap_mapped), where the
+# hidden-state blocks are among them: what the smaller blocks left in the heap and the mapped blocks'
+# page rounding add over the live tensors. The peak above this plan without it was 0.35 GB at
+# SmolLM2's PPO short run (8 x 139 tokens, 1.46 GB computed: 0.24x) and 0.31 GB at its GRPO shape
+# (16 x 91, 1.91 GB: 0.16x); 0.2x puts both within 5% (docs/memory.md, "Large blocks on huge pages").
 CPU_HEAP_RETENTION_MAPPED = 0.2
 ADAMW_STATES = 2
 
@@ -319,11 +319,14 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                        f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu" and s.gradient_checkpointing:
         # What the heap keeps follows what the layers compute and free, not the layer inputs kept; mapped
-        # on huge pages, the blocks of 1 MiB or more go back to the kernel when freed.
-        # FSDP maps its own way (Distributed.prepare: engine/malloc.return_freed_memory), the heap trimmed
-        mapped = s.cpu_heap_mapped and s.sharding != "fsdp"
+        # on huge pages, the blocks of 2 MiB or more go back to the kernel when freed.
+        # Only blocks of MAPPED_BLOCK_THRESHOLD or more are mapped: where a hidden-state block (B, L, H) is
+        # smaller the layers' many such blocks stay in the heap and split it as before (0.5B widths at
+        # 16 x 31 tokens: 1.8 MB). FSDP maps its own way (Distributed.prepare: return_freed_memory).
+        hidden_block = B * L * policy.hidden * cb
+        mapped = s.cpu_heap_mapped and s.sharding != "fsdp" and hidden_block >= MAPPED_BLOCK_THRESHOLD
         factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED
-        how = ", blocks of 1 MiB or more mapped on huge pages" if mapped else ""
+        how = ", blocks of 2 MiB or more mapped on huge pages" if mapped else ""
         update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
                            f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
                            f"layers compute and free stay resident (measured{how})", "update"))

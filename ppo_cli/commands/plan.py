@@ -156,7 +156,7 @@ def planned_choices(recipe: Recipe, device: str, mixed_precision: str) -> RunCho
     if device != "cpu":
         return RunChoices(checkpointing, True, "")
     if settings.cpu_heap_mapped and checkpointing.value:  # engine/malloc.heap_mapped: nothing kept, no memory to agree to
-        return RunChoices(checkpointing, True, "heap: blocks of 1 MiB or more mapped on huge pages, freed at once")
+        return RunChoices(checkpointing, True, "heap: blocks of 2 MiB or more mapped on huge pages, freed at once")
     on, why = tuning_fits(planned.total_gb, memory)
     return RunChoices(checkpointing, on, why)
 

@@ -54,8 +54,11 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 GLIBC_TRIM_THRESHOLD, GLIBC_TOP_PAD = 128 * 1024, 128 * 1024
 # Under FSDP on CPU, blocks of this size or more are mapped on their own (return_freed_memory).
 FSDP_MMAP_THRESHOLD = 2**20
-# A checkpointed update where large blocks get huge pages: blocks of this size or more mapped (map_large_blocks).
-MAPPED_BLOCK_THRESHOLD = 2**20
+# A checkpointed update where large blocks get huge pages: blocks of this size or more mapped (map_large_blocks),
+# torch's own threshold for asking huge pages, so that every mapped block is on them. At 1 MiB the
+# blocks of 1-2 MiB were mapped on 4 KiB pages: at the 0.5B widths (hidden states of 1.8 MB) -42%
+# peak instead of -24%, for +8% CPU (docs/memory.md).
+MAPPED_BLOCK_THRESHOLD = 2**21
 
 
 def keep_freed_memory() -> None:
@@ -154,7 +157,7 @@ def heap_mapped(gradient_checkpointing: bool) -> bool:
 
 
 def map_large_blocks() -> None:
-    """CPU training where torch's large blocks get transparent huge pages: map every block of 1 MiB or
+    """CPU training where torch's large blocks get transparent huge pages: map every block of 2 MiB or
     more on its own, so that it goes back to the kernel when freed.
 
     With the heap kept (keep_freed_memory) a checkpointed update's resident set grows by most of the
@@ -163,8 +166,8 @@ def map_large_blocks() -> None:
     left behind. Mapping costs the kernel zeroing and faulting the pages in at every allocation: with
     4 KiB pages +40% CPU at SmolLM2's update, with 2 MiB pages none measured (docs/memory.md, "Large
     blocks on huge pages"). The heap below that threshold is kept as keep_freed_memory keeps it: trimmed
-    at glibc's 128 KiB, the smaller blocks at its top were faulted in again and again (+30% CPU per
-    update measured). A no-op off glibc.
+    at glibc's 128 KiB, the smaller blocks at its top were faulted in again and again (+17% CPU per
+    run measured). A no-op off glibc.
     """
     mallopt = _mallopt()
     if mallopt is None:

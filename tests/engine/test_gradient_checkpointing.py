@@ -166,6 +166,6 @@ def test_a_checkpointed_run_maps_its_large_blocks_where_they_get_huge_pages(tiny
     choices = planned_choices(recipe, "cpu", "no")
     assert choices.heap_tuning is True
     if mapped:
-        assert choices.heap_reason == "heap: blocks of 1 MiB or more mapped on huge pages, freed at once"
+        assert choices.heap_reason == "heap: blocks of 2 MiB or more mapped on huge pages, freed at once"
     else:
         assert choices.heap_reason.startswith("heap tuning on (planned ")
