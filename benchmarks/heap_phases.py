@@ -37,10 +37,10 @@ def main() -> None:
     from ppo_cli.engine import malloc
 
     # before torch loads: torch reads its huge-page switch at its first allocation
-    if args.malloc == "mapped" and not malloc.ask_torch_for_huge_pages() and not malloc.large_blocks_on_huge_pages():
-        sys.exit(f"--malloc mapped: the kernel's THP mode is {malloc.transparent_huge_pages()!r} (madvise or always needed)")
     if args.malloc != "mapped":
         os.environ[malloc.TORCH_THP_SWITCH] = "0"
+    elif not (malloc.ask_torch_for_huge_pages() or malloc.large_blocks_on_huge_pages()):
+        sys.exit(f"--malloc mapped: the kernel's THP mode is {malloc.transparent_huge_pages()!r} (madvise or always needed)")
     import ppo_cli.engine.engine as engine_module
     import ppo_cli.trainer as trainer_module
 

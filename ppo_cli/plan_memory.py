@@ -318,11 +318,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     update.append(Line("policy", "logits (update)", logits / GB,
                        f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu" and s.gradient_checkpointing:
-        # What the heap keeps follows what the layers compute and free, not the layer inputs kept; mapped
-        # on huge pages, the blocks of 2 MiB or more go back to the kernel when freed.
-        # Only blocks of MAPPED_BLOCK_THRESHOLD or more are mapped: where a hidden-state block (B, L, H) is
-        # smaller the layers' many such blocks stay in the heap and split it as before (0.5B widths at
-        # 16 x 31 tokens: 1.8 MB). FSDP maps its own way (Distributed.prepare: return_freed_memory).
+        # What the heap keeps follows what the layers compute and free, not the layer inputs kept. Mapped
+        # on huge pages, blocks of MAPPED_BLOCK_THRESHOLD or more go back to the kernel when freed; where a
+        # hidden-state block (B, L, H) is smaller, the layers' many such blocks stay in the heap and split
+        # it as before (0.5B widths at 16 x 31 tokens: 1.8 MB). FSDP maps its own way (return_freed_memory).
         hidden_block = B * L * policy.hidden * cb
         mapped = s.cpu_heap_mapped and s.sharding != "fsdp" and hidden_block >= MAPPED_BLOCK_THRESHOLD
         factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED

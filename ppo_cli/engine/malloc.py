@@ -143,12 +143,12 @@ def ask_torch_for_huge_pages(environ=None, modules=None, mode: str | None = _REA
 def large_blocks_on_huge_pages(environ=None, mode: str | None = _READ) -> bool:
     """Whether torch's large blocks get transparent huge pages in this process: the kernel gives them
     to every mapping ('always'), or on request ('madvise') and torch's switch is on (set by
-    ask_torch_for_huge_pages before torch loaded, or by the user)."""
+    ask_torch_for_huge_pages before torch loaded, or by the user; c10's check_env takes "1" only)."""
     import os
 
     environ = os.environ if environ is None else environ
     mode = transparent_huge_pages() if mode is _READ else mode
-    return mode == "always" or (mode == "madvise" and environ.get(TORCH_THP_SWITCH, "").lower() in ("1", "true", "yes"))
+    return mode == "always" or (mode == "madvise" and environ.get(TORCH_THP_SWITCH) == "1")
 
 
 def heap_mapped(gradient_checkpointing: bool) -> bool:
