@@ -1,7 +1,9 @@
 """docs/distributed.md's multi-process commands, read from the page and run as a user runs them on the
-shipped tiny recipe (2 CPU processes over gloo): nothing changed but where the models are and where
-the run goes (a command the page no longer shows fails the test). Held-out
-evaluation before and after training (on every process), the recipe's precision and critic.
+shipped tiny recipe (2 CPU processes over gloo): nothing changed but where the models are, where the
+run goes and how long it runs (a command the page no longer shows fails the test). Held-out
+evaluation before and after training (on every process), the recipe's precision and critic, its
+samples every 10 updates. 10 updates of the recipe's 30: that the recipe learns is test_train's; here
+what the launch does, and the 20 updates more cost CI about 3 minutes of its 2 cores.
 
 Then a run whose second process stalls (SIGSTOP, as a stuck device or a hung filesystem would leave
 it): every process ends within train.collective_timeout_s plus a margin, exit 1, one line naming the
@@ -43,6 +45,10 @@ def _where(models: Path, out: Path) -> list[str]:
             "--set", f"output_dir={out}"]
 
 
+UPDATES = 10  # the recipe's sample_every: one sample table on the way
+SHORTER = ["--set", f"train.total_updates={UPDATES}"]
+
+
 def _documented(command: str) -> list[str]:
     """``command`` as docs/distributed.md shows it, split, its RECIPE the shipped tiny recipe."""
     assert command in DISTRIBUTED.read_text(), f"docs/distributed.md no longer shows: {command}"
@@ -73,13 +79,17 @@ def _assert_complete_run(run: Path, processes: int) -> None:
     for when in ("before", "after"):
         assert [s["prompt"] for s in evaluation[when]["samples"]] == EVAL_PROMPTS
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["processes"] == processes and summary["updates"] == 30 and summary["mixed_precision"] == "no"
+    assert summary["processes"] == processes and summary["updates"] == UPDATES and summary["mixed_precision"] == "no"
     assert summary["after"]["score"] == pytest.approx(evaluation["after"]["score"])
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    # at update 1 and at UPDATES, the recipe's 4 rows each, by the main process only
+    assert [s["step"] for s in samples] == [1] * 4 + [UPDATES] * 4
 
 
 def test_the_readme_fsdp_command_trains_and_evaluates(tiny_models, tmp_path):
     documented = _documented("accelerate launch --config_file recipes/accelerate/fsdp.yaml -m ppo_cli train RECIPE")
-    command = [*_launched(documented, "--main_process_port", str(_free_port())), *_where(tiny_models, tmp_path)]
+    command = [*_launched(documented, "--main_process_port", str(_free_port())), *_where(tiny_models, tmp_path),
+               *SHORTER]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
@@ -91,7 +101,7 @@ def test_the_readme_zero3_command_trains_and_evaluates(tiny_models, tmp_path):
     """2 processes: the config's 4 are one per GPU."""
     documented = _documented("accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml -m ppo_cli train RECIPE")
     command = [*_launched(documented, "--num_processes", "2", "--main_process_port", str(_free_port())),
-               *_where(tiny_models, tmp_path)]
+               *_where(tiny_models, tmp_path), *SHORTER]
     env = {**_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,7 +110,7 @@ def test_the_readme_zero3_command_trains_and_evaluates(tiny_models, tmp_path):
 
 def test_the_readme_ddp_command_trains_and_evaluates(tiny_models, tmp_path):
     documented = _documented("ppo train recipes/tiny_sentiment.yaml --num-processes 2")
-    command = [sys.executable, "-m", "ppo_cli", *documented[1:], *_where(tiny_models, tmp_path)]
+    command = [sys.executable, "-m", "ppo_cli", *documented[1:], *_where(tiny_models, tmp_path), *SHORTER]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "tiny-sentiment", processes=2)
