@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sharding.py --shape tiny                 # LoRA and full, DDP and FSDP
     python benchmarks/bench_sharding.py --shape 0.5b --modes lora    # the Qwen2.5-0.5B shape (random weights)
+    python benchmarks/bench_sharding.py --shape 0.5b --modes lora --set ppo.micro_batch_size=4   # another shape
 
 Each configuration is one `ppo train` of 2 updates under `accelerate launch` (DDP: --multi_gpu, as
 `ppo train --num-processes 2` launches; FSDP: recipes/accelerate/fsdp.yaml, with the rollout per block
@@ -236,7 +237,7 @@ def _settings(shape: str, mode: str, out: Path) -> list[str]:
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
 
-def measure(shape: str, strategy: str, mode: str) -> tuple[list[float], float]:
+def measure(shape: str, strategy: str, mode: str, sets: list[str] = ()) -> tuple[list[float], float]:
     """Peak RSS (GB) of each of the 2 processes of one run, and its rollout seconds per update."""
     with tempfile.TemporaryDirectory(prefix="bench-sharding-") as tmp:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
@@ -248,7 +249,7 @@ def measure(shape: str, strategy: str, mode: str) -> tuple[list[float], float]:
         recipe = ROOT / "recipes/tiny_sentiment.yaml"
         rollout = ["--set", "train.fsdp_rollout=gathered"] if strategy == "fsdp-gathered" else []
         args = [*launcher, __file__, "_rank", tmp, "train", str(recipe), *_settings(shape, mode, Path(tmp) / "runs"),
-                *rollout]
+                *rollout, *(arg for item in sets for arg in ("--set", item))]
         result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
         if os.environ.get("BENCH_PHASES"):
             print("\n".join(line for line in result.stderr.splitlines() if "] after " in line or "] peak in " in line), flush=True)
@@ -265,6 +266,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora", "full"])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                         help="ddp first: the ratios are to it")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override after the bench's own, e.g. ppo.micro_batch_size=4 (repeatable)")
     args = parser.parse_args()
     from ppo_cli.engine.precision_probe import machine_record
 
@@ -274,7 +277,7 @@ def main() -> None:
     for mode in args.modes:
         ddp = None
         for strategy in args.strategies:
-            peaks, seconds = measure(args.shape, strategy, mode)
+            peaks, seconds = measure(args.shape, strategy, mode, args.sets)
             ddp = max(peaks) if strategy == "ddp" else ddp
             ratio = f"{max(peaks) / ddp:.2f}" if ddp else "-"
             print(f"| {args.shape} | {mode} | {strategy} | {' / '.join(f'{p:.2f}' for p in peaks)} | {ratio} | "

@@ -7,7 +7,7 @@ A gdb script (needs libc's debug symbols): it only reads memory, calls nothing i
 into malloc_info could deadlock on an arena lock held by a stopped thread), and pauses it ~0.5 s.
 Walks the main arena's bins (fastbin links demangled: glibc >= 2.32 safe-linking); tcache and other
 threads' arenas are not walked (counted as in use / not counted). Used for the FSDP update's memory
-(docs/distributed.md, "FSDP2 with LoRA at the 0.5B shape: the plan against the peak"). Never imported.
+(docs/distributed.md, "FSDP2 with LoRA: the plan against the peak"). Never imported.
 """
 import struct
 

@@ -65,6 +65,19 @@ CPU_HEAP_RETENTION_CHECKPOINTED = 0.8
 # SmolLM2's PPO short run (8 x 139 tokens, 1.46 GB computed: 0.24x) and 0.31 GB at its GRPO shape
 # (16 x 91, 1.91 GB: 0.16x); 0.2x puts both within 5% (docs/memory.md, "Large blocks on huge pages").
 CPU_HEAP_RETENTION_MAPPED = 0.2
+# CPU under FSDP with several processes (engine/malloc.return_freed_memory: blocks of 1 MiB or more mapped,
+# glibc trimming the heap's top): the update's peak held freed heap in proportion to the policy's layers
+# x hidden size, whatever the micro-batch, read from glibc's main arena at the highest samples
+# (benchmarks/glibc_heap_walk.py; docs/distributed.md, "FSDP2 with LoRA: the plan against the peak"):
+# 0.46-0.59 GB at the 0.5B widths (24 x 896, LoRA, micro-batch 2 x 23), 0.48-0.58 (4 x 39), 0.08-0.13 with
+# 6 of their layers, 0.40-0.50 at SmolLM2 (30 x 576, 2 x 59): 15-29 KB per layer and hidden unit. Where it
+# comes from is not found: it follows neither the activations (0.12 to 0.40 GB computed) nor the weights.
+# Counted where larger than the factors above give.
+FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN = 24_000
+# ... and besides the block that computes, FSDP2 holds the next one it prefetches and the all-gather's
+# output, which it copies the weights out of: 0.18-0.19 GB of blocks mapped on their own at the 0.5B
+# widths' highest samples, 3 x its 0.061 GB block.
+FSDP_BLOCKS_IN_FLIGHT = 3
 ADAMW_STATES = 2
 
 
@@ -326,16 +339,18 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         mapped = s.cpu_heap_mapped and s.sharding != "fsdp" and hidden_block >= MAPPED_BLOCK_THRESHOLD
         factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED
         how = ", blocks of 2 MiB or more mapped on huge pages" if mapped else ""
-        update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
-                           f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
-                           f"layers compute and free stay resident (measured{how})", "update"))
+        update.append(fsdp_heap_kept(s, policy, Line(
+            "runtime", "freed memory kept (update)", factor * computed / GB,
+            f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed layers compute "
+            f"and free stay resident (measured{how})", "update")))
     elif s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
         # (docs/benchmarks.md, "Peak memory per configuration").
         activations = sum(l.gb for l in update if l.part.startswith("activations"))
-        update.append(Line("runtime", "freed memory kept (update)", factor * activations,
-                           f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
+        update.append(fsdp_heap_kept(s, policy, Line(
+            "runtime", "freed memory kept (update)", factor * activations,
+            f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update")))
 
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
@@ -358,6 +373,18 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                    "runtime")
     lines, update, rollout = shard(s, policy, lines, update, rollout, rewards)
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+def fsdp_heap_kept(s: Settings, policy: ModelShape, line: Line) -> Line:
+    """``line`` (the CPU heap's freed memory kept in the update), or what FSDP over several processes was
+    measured to keep (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN) where that is more."""
+    kept = policy.layers * policy.hidden * FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN / GB
+    if s.sharding != "fsdp" or s.processes < 2 or line.gb >= kept:
+        return line
+    return dataclasses.replace(line, gb=kept, how=(
+        f"CPU heap under FSDP: {policy.layers} layers x {policy.hidden} hidden x "
+        f"{FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN // 1000} KB freed and kept (measured; the factor alone: "
+        f"{line.gb:.2f} GB)"))
 
 
 def logits_rows(policy: ModelShape, micro_batch: int, response_tokens: int) -> tuple[int, str]:
@@ -455,6 +482,11 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
                                       f"and one block whole at a time{note}", "rollout")]
         update = update + [Line("policy", "one layer gathered (update)", weights / policy.layers,
                                 f"policy weights / {policy.layers} layers, gathered layer by layer{note}", "update")]
+        if s.sharding == "fsdp" and s.device == "cpu":
+            extra = FSDP_BLOCKS_IN_FLIGHT - 1
+            update.append(Line("policy", "next layer and all-gather buffer (update)", extra * weights / policy.layers,
+                               f"{extra} x one layer: FSDP2's prefetch of the next and the buffer it gathers into "
+                               f"(measured on CPU){note}", "update"))
     return out, update, rollout
 
 
