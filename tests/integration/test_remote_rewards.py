@@ -22,7 +22,7 @@ FUNCTION_RECIPE = ROOT / "recipes" / "tiny_function_reward.yaml"
 
 def _cmd(recipe: Path, models: Path, out: Path, components: list[dict], *extra: str, **sets) -> list[str]:
     settings = {"policy.path": models / "policy", "output_dir": out, "reward.components": json.dumps(components),
-                "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null", **sets}
+                "data.prompts": ROOT / "recipes/prompts/reviews.txt", **sets}
     args = [sys.executable, "-m", "ppo_cli", "train", str(recipe)]
     for key, value in settings.items():
         args += ["--set", f"{key}={value}"]
@@ -143,7 +143,7 @@ def test_eval_and_rollout_then_score_give_rewards_the_columns_of_their_prompts_f
     other = tmp_path / "other.jsonl"  # not the recipe's data: its rows' answers are what the reward must get
     other.write_text('{"prompt": "The film was", "answer": "1"}\n{"prompt": "The food was", "answer": "5"}\n')
     sets = {"policy.path": tiny_models / "policy", "output_dir": tmp_path, "data.prompts": ROOT / "recipes/data/tiny_math.jsonl",
-            "data.eval_prompts": "null", "generation.max_new_tokens": 4,
+            "generation.max_new_tokens": 4,
             "reward.components": json.dumps([{"type": "function", "function": f"{reward}:reward"}])}
     common = ["--recipe", str(FUNCTION_RECIPE), *(arg for k, v in sets.items() for arg in ("--set", f"{k}={v}"))]
     model = str(tiny_models / "policy")

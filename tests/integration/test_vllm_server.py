@@ -59,7 +59,7 @@ def server(wide_models, tmp_path_factory):
 def run(server, wide_models, tmp_path_factory) -> tuple[Path, list[dict]]:
     """Two updates sampled by the server, with the truncated importance-sampling correction on."""
     out = tmp_path_factory.mktemp("runs")
-    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt",
             "generation.backend": "vllm_server", "generation.server_url": server, "ppo.rollout_is_clip": 2.0,
             "ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 8, "ppo.micro_batch_size": 8,
             "train.total_updates": 2, "train.save_every": 1}
