@@ -9,6 +9,7 @@ log-prob forward itself, in chunks of positions, is engine/logprobs.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -65,6 +66,32 @@ class ActorCritic(nn.Module):
             for param_name, param in self.named_parameters():
                 if param_name in self._trainable_names:
                     param.requires_grad_(True)
+
+    @contextlib.contextmanager
+    def adapter_active(self, name: str):
+        """``name`` the active adapter inside, the one active before restored after."""
+        previous = self.policy.active_adapter
+        self.use_adapter(name)
+        try:
+            yield
+        finally:
+            self.use_adapter(previous)
+
+    def recompute_under_the_forwards_adapter(self) -> None:
+        """Gradient checkpointing of a peft policy with several adapters: each layer's recompute, which runs
+        in the backward, runs under the adapter that was active in its forward (torch's context_fn), so a
+        forward under the value adapter (value.kind adapter) can be checkpointed like the policy's.
+        Without it the recompute would take whatever adapter is active in the backward (the policy's)
+        and the value adapter would get the policy adapter's gradients."""
+        from torch.utils.checkpoint import checkpoint
+
+        def context_fn():
+            return contextlib.nullcontext(), self.adapter_active(self.policy.active_adapter)
+
+        recompute = functools.partial(checkpoint, **CHECKPOINT_KWARGS, context_fn=context_fn)
+        for module in self.policy.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module._gradient_checkpointing_func = recompute
 
     @contextlib.contextmanager
     def reference_context(self):
@@ -168,6 +195,8 @@ def build_actor_critic(recipe: Recipe, device: torch.device, loaded: dict[str, n
         model = ActorCritic(policy, critic, _value_head(hidden, device, init_from), value_backbone, ref_model,
                             head_trains_backbone=bool(recipe.value.train_backbone))
     model.use_adapter(POLICY_ADAPTER)
+    if gradient_checkpointing and model.is_peft:
+        model.recompute_under_the_forwards_adapter()
     return model
 
 

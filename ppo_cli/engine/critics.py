@@ -148,16 +148,12 @@ class AdapterCritic(Critic):
         return policy  # the policy's base, with the value adapter active
 
     def features(self, ac, sequences, attention_mask, response_len):
-        from ppo_cli.engine.generate import no_checkpointing
         from ppo_cli.engine.logprobs import backbone_hidden, response_slice
-        from ppo_cli.engine.models import POLICY_ADAPTER
 
-        ac.use_adapter(VALUE_ADAPTER)
-        # Not checkpointed: the backward would recompute these layers with the adapter active then
-        # (the policy's), and the value adapter would get the policy adapter's gradients.
-        with no_checkpointing(ac.policy):
+        # Checkpointed like the policy's forward where checkpointing is on: each layer's recompute runs
+        # under the adapter of its forward (ActorCritic.recompute_under_the_forwards_adapter).
+        with ac.adapter_active(VALUE_ADAPTER):
             hidden = backbone_hidden(ac.policy, sequences, attention_mask)
-        ac.use_adapter(POLICY_ADAPTER)
         return response_slice(hidden, response_len)
 
     def save(self, ac, critic_dir, full_state=None):
@@ -179,10 +175,12 @@ class AdapterCritic(Critic):
         static = [Line("value", "LoRA adapter + head", n * 4 / GB,
                        f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B")]
         B, L, r = s.micro_batch, s.prompt_tokens + s.response_tokens, lora.r
-        # never checkpointed (features): the recompute would run with the policy's adapter active
         per = policy.layers * activation_floats_per_token_layer(policy, False, r, L)
+        if s.gradient_checkpointing:  # checkpointed as the policy's forward: layer inputs and one layer
+            per = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, False, r, L)
         update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.dtype] / GB,
-                       f"the critic's own forward: {B} x {L} tokens x {policy.layers} layers", "update")]
+                       f"the critic's own forward: {B} x {L} tokens x {policy.layers} layers"
+                       + (" (checkpointed)" if s.gradient_checkpointing else ""), "update")]
         return CriticMemory(static, update, n, 4.0)
 
 

@@ -75,8 +75,7 @@ def without_hub_generation_defaults(model):
 
 @contextlib.contextmanager
 def no_checkpointing(model):
-    """Gradient checkpointing off inside: for a generate() call, and for the value adapter's forward
-    (engine/critics.py: its recompute would run under another adapter).
+    """Gradient checkpointing off inside: for a generate() call.
 
     transformers drops the KV cache inside a checkpointed layer in train mode (the policy always is:
     see models.py), so with checkpointing on, generate() would attend over the newest token only.

@@ -194,6 +194,17 @@ def test_full_finetune_parts(model_dir):
     assert p["value", "activations (update)"] == pytest.approx(2 * 10 * 2 * per * 2)
 
 
+def test_the_value_adapters_forward_is_checkpointed_as_the_policys(model_dir):
+    """value.kind adapter: with checkpointing its forward keeps the layers' inputs and one layer's
+    activations (the recompute runs under the value adapter: ActorCritic.recompute_under_the_forwards_adapter)."""
+    shape = describe_model(str(model_dir), "causal_lm")
+    on = parts(estimate(settings(value_kind="adapter", gradient_checkpointing=True, rewards=()), shape, None, []))
+    off = parts(estimate(settings(value_kind="adapter", rewards=()), shape, None, []))
+    per_layer = off["value", "activations (update)"] / (2 * 10 * 2 * 4)  # micro-batch 2 x 10 tokens, 2 layers, 4 B
+    assert on["value", "activations (update)"] == pytest.approx(2 * 10 * (2 * 16 + per_layer) * 4)
+    assert on["value", "activations (update)"] == pytest.approx(on["policy", "activations (update)"])
+
+
 def test_8bit_adamw_keeps_one_byte_per_moment(model_dir):
     shape = describe_model(str(model_dir), "causal_lm")
     value = describe_model(str(model_dir), "backbone")
