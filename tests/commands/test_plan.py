@@ -532,19 +532,20 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
 
 
 @pytest.mark.parametrize("config, sharding, batch, tokens, measured_gb", [
-    (BENCH_05B, "none", (2, 4), (7, 16), 4.62),
-    (BENCH_05B, "fsdp", (2, 4), (7, 16), 3.30),
-    (BENCH_05B, "fsdp", (4, 8), (7, 32), 3.35),
-    ({**BENCH_05B, "num_hidden_layers": 6}, "fsdp", (2, 4), (7, 16), 1.37),
-    (SMOLLM2, "fsdp", (2, 4), (43, 16), 1.66),
+    (BENCH_05B, "none", (2, 4), (7, 16), 4.52),
+    (BENCH_05B, "fsdp", (2, 4), (7, 16), 3.33),
+    (BENCH_05B, "fsdp", (4, 8), (7, 32), 2.89),
+    ({**BENCH_05B, "num_hidden_layers": 6}, "fsdp", (2, 4), (7, 16), 1.43),
+    (SMOLLM2, "fsdp", (2, 4), (43, 16), 1.37),
 ], ids=["0.5b-ddp", "0.5b-fsdp", "0.5b-fsdp-4x39", "0.5b-6-layers-fsdp", "smollm2-fsdp"])
 def test_plan_follows_the_measured_peak_of_two_processes(tmp_path, config, sharding, batch, tokens, measured_gb):
     """`PPO_BENCH_CACHE=... python benchmarks/bench_sharding.py --shape 0.5b --modes lora [--set ...]`, 2 CPU
     processes over gloo, LoRA r=16 all-linear, value adapter, float32, the larger process's peak RSS
-    (2026-11-28 19:08-19:40, AMD EPYC without AVX-512, 2 cores; docs/distributed.md, "FSDP2 with LoRA: the
-    plan against the peak"). The 0.5B widths with a reward model of the same shape (sharded under FSDP):
-    micro-batch 2 x (7 + 16) tokens, rollout 4: DDP 4.62 GB, FSDP 3.30; micro-batch 4 x (7 + 32), rollout
-    8: FSDP 3.35; 6 of their layers, 2 x (7 + 16): FSDP 1.37. SmolLM2 (its real weights) with a Python reward, 2 x (43 + 16), rollout 4: FSDP 1.66.
+    (2026-11-28 20:04-20:30, AMD EPYC without AVX-512, 2 cores, the value adapter's forward checkpointed;
+    docs/distributed.md, "FSDP2 with LoRA: the plan against the peak"). The 0.5B widths with a reward model
+    of the same shape (sharded under FSDP): micro-batch 2 x (7 + 16) tokens, rollout 4: DDP 4.52 GB, FSDP
+    3.33; micro-batch 4 x (7 + 32), rollout 8: FSDP 2.89; 6 of their layers, 2 x (7 + 16): FSDP 1.43.
+    SmolLM2 (its real weights) with a Python reward, 2 x (43 + 16), rollout 4: FSDP 1.37.
     Gradient checkpointing as `auto` chose: off under DDP, on under FSDP (there the update's activations
     are its largest term). The plan stays within 25%."""
     (tmp_path / "config.json").write_text(json.dumps(config))
