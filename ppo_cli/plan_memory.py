@@ -72,7 +72,7 @@ CPU_HEAP_RETENTION_MAPPED = 0.2
 # 0.46-0.59 GB at the 0.5B widths (24 x 896, LoRA, micro-batch 2 x 23), 0.48-0.58 (4 x 39), 0.08-0.13 with
 # 6 of their layers, 0.40-0.50 at SmolLM2 (30 x 576, 2 x 59): 15-29 KB per layer and hidden unit. Where it
 # comes from is not found: it follows neither the activations (0.12 to 0.40 GB computed) nor the weights.
-# Counted where larger than the factors above give.
+# Counted beyond what the factors above give, as a line of its own (fsdp_heap_kept).
 FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN = 24_000
 # ... and besides the block that computes, FSDP2 holds the next one it prefetches and the all-gather's
 # output, which it copies the weights out of: 0.18-0.19 GB of blocks mapped on their own at the 0.5B
@@ -339,18 +339,17 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         mapped = s.cpu_heap_mapped and s.sharding != "fsdp" and hidden_block >= MAPPED_BLOCK_THRESHOLD
         factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED
         how = ", blocks of 2 MiB or more mapped on huge pages" if mapped else ""
-        update.append(fsdp_heap_kept(s, policy, Line(
-            "runtime", "freed memory kept (update)", factor * computed / GB,
-            f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed layers compute "
-            f"and free stay resident (measured{how})", "update")))
+        update.append(Line("runtime", "freed memory kept (update)", factor * computed / GB,
+                           f"CPU heap: {factor:g} x the {computed / GB:.2f} GB of activations the checkpointed "
+                           f"layers compute and free stay resident (measured{how})", "update"))
     elif s.device == "cpu":
         factor = CPU_HEAP_RETENTION["trained" if trains_weights else "frozen_base"]
         # The activations only: counting the logits in too overestimates a large vocabulary's peak
         # (docs/benchmarks.md, "Peak memory per configuration").
         activations = sum(l.gb for l in update if l.part.startswith("activations"))
-        update.append(fsdp_heap_kept(s, policy, Line(
-            "runtime", "freed memory kept (update)", factor * activations,
-            f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update")))
+        update.append(Line("runtime", "freed memory kept (update)", factor * activations,
+                           f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
+    update += fsdp_heap_kept(s, policy, update)
 
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
@@ -375,16 +374,20 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
 
 
-def fsdp_heap_kept(s: Settings, policy: ModelShape, line: Line) -> Line:
-    """``line`` (the CPU heap's freed memory kept in the update), or what FSDP over several processes was
-    measured to keep (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN) where that is more."""
+def fsdp_heap_kept(s: Settings, policy: ModelShape, update: list[Line]) -> list[Line]:
+    """CPU, FSDP over several processes: the freed heap measured there (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN)
+    beyond the ``update``'s `freed memory kept` line, as a line of its own: checkpointing does not
+    shrink it, so plan_checkpointing does not count it among the activations."""
+    if s.device != "cpu" or s.sharding != "fsdp" or s.processes < 2:
+        return []
     kept = policy.layers * policy.hidden * FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN / GB
-    if s.sharding != "fsdp" or s.processes < 2 or line.gb >= kept:
-        return line
-    return dataclasses.replace(line, gb=kept, how=(
-        f"CPU heap under FSDP: {policy.layers} layers x {policy.hidden} hidden x "
-        f"{FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN // 1000} KB freed and kept (measured; the factor alone: "
-        f"{line.gb:.2f} GB)"))
+    by_factor = sum(l.gb for l in update if l.part == "freed memory kept (update)")
+    if by_factor >= kept:
+        return []
+    return [Line("runtime", "freed heap of the gathers (update)", kept - by_factor,
+                 f"CPU heap under FSDP: {policy.layers} layers x {policy.hidden} hidden x "
+                 f"{FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN // 1000} KB freed and kept in all (measured), less the "
+                 f"line above", "update")]
 
 
 def logits_rows(policy: ModelShape, micro_batch: int, response_tokens: int) -> tuple[int, str]:

@@ -296,18 +296,21 @@ def test_a_checkpointed_update_whose_large_blocks_are_mapped_keeps_less_heap(mod
     assert {k: v for k, v in kept.items() if k != freed} == {k: v for k, v in mapped.items() if k != freed}
     whole = parts(estimate(settings(cpu_heap_mapped=True), shape, None, []))
     assert whole["runtime", "freed memory kept (update)"] == pytest.approx(2.2 * 46_240)
-    # FSDP maps its gathered blocks its own way and trims the heap's top: what was measured there
-    # (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN) where the factor gives less, as it does here; else the factor
+    # FSDP maps its gathered blocks its own way and trims the heap's top: the factor's line as measured on
+    # one process, and up to what was measured under FSDP (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN) a line of
+    # its own, which checkpointing does not shrink (plan_checkpointing leaves it out of the activations)
+    gathers = ("runtime", "freed heap of the gathers (update)")
     fsdp = parts(estimate(settings(gradient_checkpointing=True, cpu_heap_mapped=True, processes=2, sharding="fsdp"),
                           shape, None, []))
-    assert fsdp["runtime", "freed memory kept (update)"] == pytest.approx(2 * 16 * 24_000)  # layers x hidden x 24 KB
+    assert fsdp[freed] == pytest.approx(0.8 * 46_240)
+    assert fsdp[freed] + fsdp[gathers] == pytest.approx(2 * 16 * 24_000)  # layers x hidden x 24 KB
     one_process = parts(estimate(settings(gradient_checkpointing=True, cpu_heap_mapped=True, processes=1,
                                           sharding="fsdp"), shape, None, []))
-    assert one_process["runtime", "freed memory kept (update)"] == pytest.approx(0.8 * 46_240)  # nothing gathered
+    assert gathers not in one_process  # nothing gathered
     huge = dict(gradient_checkpointing=True, micro_batch=4096, prompt_tokens=6, response_tokens=4000)
     fsdp_huge = parts(estimate(settings(**huge, processes=2, sharding="fsdp"), shape, None, []))
-    by_factor = parts(estimate(settings(**huge), shape, None, []))["runtime", "freed memory kept (update)"]
-    assert by_factor > 2 * 16 * 24_000 and fsdp_huge["runtime", "freed memory kept (update)"] == pytest.approx(by_factor)
+    assert fsdp_huge[freed] > 2 * 16 * 24_000 and gathers not in fsdp_huge
+    assert gathers not in parts(estimate(settings(device="cuda", processes=2, sharding="fsdp"), shape, None, []))
 
 
 def test_suggestions_for_a_full_finetune_that_does_not_fit(model_dir):

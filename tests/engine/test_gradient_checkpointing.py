@@ -30,6 +30,14 @@ def test_auto_is_off_when_the_activations_are_below_another_term():
                                                         "0.50 GB; 1.35 GB fits 16.0 GB (GPU)")
 
 
+def test_the_heap_fsdps_gathers_leave_is_not_counted_among_the_activations():
+    # plan_memory.fsdp_heap_kept: what checkpointing cannot shrink is a term of its own, here the largest
+    lines = plan_lines(activations=0.3) + [Line("runtime", "freed heap of the gathers (update)", 0.6, "", "update")]
+    choice = choose_gradient_checkpointing("auto", lines, budget_gb=None)
+    assert choice.value is False
+    assert choice.reason.startswith("the update's activations, 0.30 GB, are below runtime freed heap of the gathers")
+
+
 def test_auto_is_on_when_the_activations_with_their_freed_heap_are_the_largest_term():
     # 0.3 GB of activations keep 0.66 GB of freed heap resident (2.2 x): 0.96 GB, above the 0.5 GB weights
     choice = choose_gradient_checkpointing("auto", plan_lines(activations=0.3, retained=0.66), budget_gb=None)
