@@ -349,7 +349,6 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         activations = sum(l.gb for l in update if l.part.startswith("activations"))
         update.append(Line("runtime", "freed memory kept (update)", factor * activations,
                            f"CPU heap: {factor:g} x the update's activations stay resident (measured)", "update"))
-    update += fsdp_heap_kept(s, policy, update)
 
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
@@ -374,12 +373,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
 
 
-def fsdp_heap_kept(s: Settings, policy: ModelShape, update: list[Line]) -> list[Line]:
+def fsdp_heap_kept(policy: ModelShape, update: list[Line]) -> list[Line]:
     """CPU, FSDP over several processes: the freed heap measured there (FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN)
     beyond the ``update``'s `freed memory kept` line, as a line of its own: checkpointing does not
     shrink it, so plan_checkpointing does not count it among the activations."""
-    if s.device != "cpu" or s.sharding != "fsdp" or s.processes < 2:
-        return []
     kept = policy.layers * policy.hidden * FSDP_CPU_HEAP_KEPT_PER_LAYER_HIDDEN / GB
     by_factor = sum(l.gb for l in update if l.part == "freed memory kept (update)")
     if by_factor >= kept:
@@ -422,7 +419,9 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
     with train.fsdp_rollout per_block), and the update gathers one decoder layer at a time (counted:
     the weights / layers). FSDP under bf16/fp16 gathers in that dtype (Distributed.prepare's
     MixedPrecisionPolicy), the shards staying in theirs: every gathered figure at 2 B a value, and no
-    autocast copies of the weights (they arrive in the compute dtype)."""
+    autocast copies of the weights (they arrive in the compute dtype). FSDP on CPU also holds two more
+    layers in the update (the next one prefetched, the all-gather's buffer) and the freed heap its gathers
+    leave (fsdp_heap_kept), both measured."""
     n = s.processes
     if s.sharding == "none" or n == 1:
         return lines, update, rollout
@@ -490,6 +489,7 @@ def shard(s: Settings, policy: ModelShape, lines: list[Line], update: list[Line]
             update.append(Line("policy", "next layer and all-gather buffer (update)", extra * weights / policy.layers,
                                f"{extra} x one layer: FSDP2's prefetch of the next and the buffer it gathers into "
                                f"(measured on CPU){note}", "update"))
+            update += fsdp_heap_kept(policy, update)
     return out, update, rollout
 
 

@@ -175,9 +175,9 @@ class AdapterCritic(Critic):
         static = [Line("value", "LoRA adapter + head", n * 4 / GB,
                        f"2nd adapter on the policy's base: {n / 1e6:.2f}M params x 4 B")]
         B, L, r = s.micro_batch, s.prompt_tokens + s.response_tokens, lora.r
-        per = policy.layers * activation_floats_per_token_layer(policy, False, r, L)
-        if s.gradient_checkpointing:  # checkpointed as the policy's forward: layer inputs and one layer
-            per = policy.layers * policy.hidden + activation_floats_per_token_layer(policy, False, r, L)
+        per_layer = activation_floats_per_token_layer(policy, False, r, L)
+        # checkpointed as the policy's forward: the layers' inputs and one layer's activations
+        per = policy.layers * policy.hidden + per_layer if s.gradient_checkpointing else policy.layers * per_layer
         update = [Line("value", "activations (update)", B * L * per * DTYPE_BYTES[s.dtype] / GB,
                        f"the critic's own forward: {B} x {L} tokens x {policy.layers} layers"
                        + (" (checkpointed)" if s.gradient_checkpointing else ""), "update")]
