@@ -25,9 +25,12 @@ pytestmark = pytest.mark.slow
 RECIPE = str(ROOT / "recipes" / "tiny_sentiment.yaml")
 TIMEOUT_S = 20  # train.collective_timeout_s: also how long the launchers wait for each other
 MARGIN_S = 30  # a process polls its launcher each second; the survivor may be inside a computation
+# The kill "during the run" lands at update 1's checkpoint: the updates left must outlast the second in
+# which a process notices its launcher is gone (with 2, both processes once wrote final/ first).
+UPDATES = 4
 SMALL = {"data.eval_prompts": "null", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2,
          "ppo.micro_batch_size": 2, "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8,
-         "train.total_updates": 2, "train.save_every": 1, "train.collective_timeout_s": TIMEOUT_S}
+         "train.total_updates": UPDATES, "train.save_every": 1, "train.collective_timeout_s": TIMEOUT_S}
 
 
 def _start(models: Path, out: Path, *extra: str) -> list[subprocess.Popen]:
@@ -108,12 +111,12 @@ def killed_after_the_last_update(tiny_models, tmp_path_factory) -> tuple[Path, i
 def test_two_machines_train_and_only_machine_0s_first_process_writes(killed_after_the_last_update):
     run = killed_after_the_last_update[0] / "tiny-sentiment"
     metrics = _metrics(run)
-    assert [m["step"] for m in metrics] == [1, 2]  # one metrics file, one line per update
-    assert metrics[-1]["episode"] == 2 * 4 * 2  # updates x rollout_batch_size x processes
+    assert [m["step"] for m in metrics] == list(range(1, UPDATES + 1))  # one metrics file, one line per update
+    assert metrics[-1]["episode"] == UPDATES * 4 * 2  # updates x rollout_batch_size x processes
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["updates"] == 2
+    assert summary["processes"] == 2 and summary["updates"] == UPDATES
     assert (run / "final/manifest.json").is_file() and (run / "final/adapter_model.safetensors").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in (UPDATES - 1, UPDATES)]  # keep_checkpoints 2
 
 
 def test_sigkill_of_one_machines_launcher_after_the_last_update_ends_the_other_with_one_line(killed_after_the_last_update):
