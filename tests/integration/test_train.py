@@ -124,12 +124,13 @@ def test_python_function_reward_from_a_file_trains(tiny_models, tmp_path):
 def _structure_overrides(recipe_path: Path, models: Path) -> dict:
     """Keep a recipe's structure (LoRA, quantization, critic, penalties) but run it tiny and short. A
     recipe whose prompts are one of the repository's datasets (recipes/data/, rows with the columns its
-    reward reads) keeps them."""
-    prompts = yaml.safe_load(recipe_path.read_text())["data"]["prompts"]
+    reward reads) keeps them, and its held-out rows for the evaluation before and after."""
+    data = yaml.safe_load(recipe_path.read_text())["data"]
+    own_dataset = data["prompts"].startswith("recipes/data/")
     return {
         "reward.components": json.dumps(_shipped_components(recipe_path, models)),
-        "data.prompts": ROOT / (prompts if prompts.startswith("recipes/data/") else "recipes/prompts/reviews.txt"),
-        "data.eval_prompts": "null",
+        "data.prompts": ROOT / (data["prompts"] if own_dataset else "recipes/prompts/reviews.txt"),
+        "data.eval_prompts": ROOT / (data["eval_prompts"] if own_dataset else "recipes/prompts/reviews_eval.txt"),
         "train.total_updates": 2, "train.save_every": 1, "train.log_every": 1,
         "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2, "ppo.micro_batch_size": 2,
         "generation.max_new_tokens": 8, "optim.warmup_steps": 0,
@@ -163,3 +164,5 @@ def test_every_recipe_structure_trains_on_the_tiny_models(recipe_path, tiny_mode
     assert len(_read_jsonl(run / "metrics.jsonl")) == 2
     assert (run / "checkpoints" / "step-000001" / "manifest.json").exists()
     assert (run / "final" / "manifest.json").exists()
+    evaluation = json.loads((run / "eval.json").read_text())
+    assert len(evaluation["before"]["samples"]) == len(evaluation["after"]["samples"]) > 0
