@@ -151,19 +151,17 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ppo_cli.errors import ModelLoadError, first_line
-    from ppo_cli.model_refs import check_model_reference, gguf_location, is_gguf
+    from ppo_cli.gguf_cache import gguf_config
+    from ppo_cli.model_refs import check_model_reference, is_gguf
 
     check_model_reference(path)
-    location, extra = path, dict(revision=revision)
-    if is_gguf(path):  # the config comes from the file's metadata; the model loads dequantized (full size)
-        location, name = gguf_location(path)
-        extra = dict(gguf_file=name)
     try:
-        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
+        if is_gguf(path):  # the config comes from the file's metadata; the model loads dequantized (full size)
+            config = gguf_config(path)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the config of '{path}': {first_line(err)}") from err
-    if is_gguf(path):
-        vars(config).pop("quantization_config", None)
     auto = {"causal_lm": AutoModelForCausalLM, "backbone": AutoModel, "classifier": AutoModelForSequenceClassification}[kind]
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)

@@ -122,12 +122,14 @@ def _gguf_kwargs(path: str, load_kwargs: dict) -> tuple[str, dict]:
     """
     from transformers import GgufConfig
 
+    from ppo_cli.gguf_cache import gguf_config
+
     if "quantization_config" in load_kwargs:
         raise ModelLoadError(f"cannot load the GGUF file '{path}' in 4/8 bit directly",
                              hint="load it dequantized (quantization: none)")  # load_causal_lm goes through a saved copy
     directory, name = gguf_location(path)
     kwargs = {k: v for k, v in load_kwargs.items() if k not in ("use_safetensors", "revision")}
-    return directory, dict(kwargs, gguf_file=name, quantization_config=GgufConfig(dequantize=True))
+    return directory, dict(kwargs, gguf_file=name, config=gguf_config(path), quantization_config=GgufConfig(dequantize=True))
 
 
 def load_causal_lm(path: str, adapter: str | None, *, dtype: torch.dtype, device: torch.device,
@@ -223,13 +225,14 @@ def _hub_hint(path: str) -> str | None:
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     from transformers import AutoTokenizer
 
+    from ppo_cli.gguf_cache import gguf_tokenizer
+
     check_model_reference(path)
-    location, extra = (path, dict(revision=revision))
-    if is_gguf(path):  # the tokenizer and chat template are in the file's metadata
-        location, name = gguf_location(path)
-        extra = dict(gguf_file=name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
+        if is_gguf(path):  # the tokenizer and chat template are in the file's metadata
+            tokenizer = gguf_tokenizer(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
         hint = _hub_hint(path) if isinstance(err, OSError) else None
         raise ModelLoadError(f"cannot load tokenizer from '{path}': {first_line(err)}", hint=hint) from err

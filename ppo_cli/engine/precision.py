@@ -90,14 +90,14 @@ def model_widths(path: str, trust_remote_code: bool = False, revision: str | Non
     """(hidden, intermediate) from a model's config.json; None when it cannot be read (the load reports why)."""
     from transformers import AutoConfig
 
-    from ppo_cli.model_refs import gguf_location, is_gguf
+    from ppo_cli.gguf_cache import gguf_config
+    from ppo_cli.model_refs import is_gguf
 
-    location, extra = path, dict(revision=revision)
-    if is_gguf(path):  # the config is in the file's metadata
-        location, name = gguf_location(path)
-        extra = dict(gguf_file=name)
     try:
-        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
+        if is_gguf(path):  # the config is in the file's metadata
+            config = gguf_config(path)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError, ImportError):
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

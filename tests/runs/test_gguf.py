@@ -69,3 +69,60 @@ def test_the_model_card_of_a_run_from_a_gguf_names_the_file_and_loads_it_with_gg
     assert ("model = AutoModelForCausalLM.from_pretrained('models/smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')"
             in card)
     assert "base_model" not in front_matter(info["policy_path"], True)  # a file names no hub repository
+
+
+def test_a_gguf_files_config_and_tokenizer_are_read_once_per_process_each_caller_getting_its_own_copy(
+        fake_gguf, monkeypatch):
+    import os
+
+    import transformers
+    from transformers import LlamaConfig
+
+    from ppo_cli import gguf_cache
+    from ppo_cli.engine.precision import model_widths
+    from ppo_cli.plan_memory import describe_model
+
+    reads = []
+
+    def from_pretrained(location, gguf_file=None, **kwargs):
+        reads.append((location, gguf_file))
+        return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=128, quantization_config={"quant_method": "gguf"})
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    gguf_cache._read_config.cache_clear()
+    first = gguf_cache.gguf_config(str(fake_gguf))
+    first.hidden_size = 1
+    assert gguf_cache.gguf_config(str(fake_gguf)).hidden_size == 64  # a copy each, not the cached one
+    assert model_widths(str(fake_gguf)) == (64, 96)
+    shape = describe_model(str(fake_gguf), "causal_lm")
+    assert (shape.hidden, shape.layers, shape.vocab) == (64, 2, 128)
+    assert not hasattr(first, "quantization_config")  # the model loads dequantized
+    assert reads == [(str(fake_gguf.parent), fake_gguf.name)]
+    os.utime(fake_gguf, ns=(1, 1))  # the file changed since: read again
+    gguf_cache.gguf_config(str(fake_gguf))
+    assert len(reads) == 2
+    gguf_cache._read_config.cache_clear()
+
+
+def test_a_gguf_files_tokenizer_is_read_once_and_each_load_gets_its_own(fake_gguf, monkeypatch):
+    import transformers
+
+    from ppo_cli import gguf_cache
+    from ppo_cli.engine.models import load_tokenizer
+    from tests.fixtures.tiny_models import train_tokenizer
+
+    reads = []
+
+    def from_pretrained(location, gguf_file=None, **kwargs):
+        reads.append((location, gguf_file))
+        return train_tokenizer(["a review of a film", "a good film, a bad film"])
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    gguf_cache._read_tokenizer.cache_clear()
+    first, second = load_tokenizer(str(fake_gguf)), load_tokenizer(str(fake_gguf))
+    assert reads == [(str(fake_gguf.parent), fake_gguf.name)]
+    assert first is not second and first.padding_side == second.padding_side == "left"
+    first.add_special_tokens({"additional_special_tokens": ["<only-in-first>"]})
+    assert len(second) == len(first) - 1
+    gguf_cache._read_tokenizer.cache_clear()
