@@ -1,9 +1,14 @@
 """reward type function: a Python function of the prompts, the responses and the rows' other columns.
 
-Called as TRL calls its reward functions: ``fn(prompts, responses, **columns)`` where each of the
-prompt rows' other dataset columns (e.g. ``answer``) is a keyword list aligned with the responses. A
-function is given the columns its signature names, or all of them if it takes ``**kwargs``; one that
-takes neither gets ``(prompts, responses)`` as before. ``async def`` functions are awaited, together
+Called as ``fn(prompts, responses, **columns)`` where each of the prompt rows' other dataset columns
+(e.g. ``answer``) is a keyword list aligned with the responses. A function is given the columns its
+signature names, or all of them if it takes ``**kwargs``; one that takes neither gets
+``(prompts, responses)``. A function written for TRL's GRPOTrainer, one with a parameter named
+``completions`` (``def accuracy(completions, solution, **kwargs)``), is called as TRL calls it: by
+keyword, ``fn(prompts=..., completions=..., **columns)``, each completion a string for a plain-text
+prompt and ``[{"role": "assistant", "content": ...}]`` for a conversation; TRL's ``completion_ids`` and
+``trainer_state`` are not passed (a function that requires them is refused when it loads).
+``async def`` functions are awaited, together
 with the recipe's other asynchronous components. A None in what it returns marks a completion it
 could not score, and so does a NaN or an infinity: that completion leaves the update and is counted
 (reward/failed_rate), as one a reward server failed to score does.
@@ -58,15 +63,33 @@ def display_name(component: FunctionReward) -> str:
     return component.function.rpartition(":")[2]
 
 
+# What TRL passes a reward function besides the columns; ppo_cli passes the first two.
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def called_like_trl(fn: Callable) -> bool:
+    """A function written for TRL's GRPOTrainer: it names ``completions`` (and not ``responses``)."""
+    parameters = inspect.signature(fn).parameters
+    return "completions" in parameters and "responses" not in parameters
+
+
 def load_reward_function(spec: str) -> Callable:
     """Import 'package.module:name' or 'path/to/file.py:name' (engine/user_code.py) and check it takes
-    (prompts, responses)."""
+    (prompts, responses), or TRL's keywords (called_like_trl)."""
     target, _, name = spec.rpartition(":")
     define = f"define def {name}(prompts, responses) -> list[float]"
     fn = import_named(spec, "reward function", RewardFunctionError, kind="function", define=define)
     if not callable(fn):
         raise RewardFunctionError(f"'{target}' has no function '{name}'",
                                   hint=f"'{name}' there is a {type(fn).__name__}; {define}")
+    if called_like_trl(fn):
+        unpassed = sorted(set(_required(fn)) & set(TRL_ARGUMENTS[2:]))
+        if unpassed:
+            raise RewardFunctionError(
+                f"reward function '{spec}' requires {', '.join(unpassed)}, which ppo_cli does not pass "
+                "(it passes prompts, completions and the rows' columns, by keyword)",
+                hint=f"give {', '.join(unpassed)} a default (=None) or take **kwargs")
+        return fn
     try:
         inspect.signature(fn).bind_partial(["p"], ["r"])  # further parameters are dataset columns
     except TypeError:
@@ -77,19 +100,35 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
+def _required(fn: Callable) -> list[str]:
+    parameters = inspect.signature(fn).parameters.values()
+    return [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def required_columns(fn: Callable) -> set[str]:
-    """The column parameters ``fn`` cannot do without (no default)."""
-    parameters = list(inspect.signature(fn).parameters.values())[2:]
-    return {p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    """The column parameters ``fn`` cannot do without (no default): past (prompts, responses), or
+    past TRL's names for a function called like TRL's."""
+    if called_like_trl(fn):
+        return set(_required(fn)) - set(TRL_ARGUMENTS)
+    return set(_required(fn)[2:])
 
 
 def accepted_columns(fn: Callable) -> set[str] | None:
-    """The keyword names ``fn`` takes past (prompts, responses); None when it takes ``**kwargs`` (all)."""
+    """The keyword names ``fn`` takes past (prompts, responses), or past TRL's; None when it takes
+    ``**kwargs`` (all)."""
     parameters = list(inspect.signature(fn).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
+    if called_like_trl(fn):
+        return {p.name for p in parameters if p.kind is not p.VAR_POSITIONAL} - set(TRL_ARGUMENTS)
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return {p.name for p in positional[2:]} | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+def as_completions(prompts: list, responses: list[str]) -> list:
+    """TRL's ``completions``: the response text for a plain-text prompt, one assistant message for a
+    conversation."""
+    return [[{"role": "assistant", "content": r}] if isinstance(p, list) else r for p, r in zip(prompts, responses)]
 
 
 class FunctionScorer:
@@ -97,6 +136,7 @@ class FunctionScorer:
         self.spec = component.function
         self.fn = load_reward_function(component.function)
         self.columns = accepted_columns(self.fn)
+        self.like_trl = called_like_trl(self.fn)
         self.reads_columns = self.columns is None or bool(self.columns)
         self.failure: str | None = None
         self.where = f"reward function '{self.spec}'"
@@ -114,11 +154,18 @@ class FunctionScorer:
     def _arguments(self, prompts: list, responses: list[str], columns: dict[str, list] | None) -> tuple[tuple, dict]:
         """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
         lists of {role, content} for conversations (without data.system_prompt); copies, so the
-        function cannot change the rollout's prompts."""
+        function cannot change the rollout's prompts. By keyword for a function called like TRL's."""
         columns = columns or {}
         self.check_columns(set(columns), "the prompt rows")
         chosen = columns if self.columns is None else {k: v for k, v in columns.items() if k in self.columns}
-        return (copy.deepcopy(list(prompts)), list(responses)), copy.deepcopy(chosen)
+        prompts, responses, chosen = copy.deepcopy(list(prompts)), list(responses), copy.deepcopy(chosen)
+        if not self.like_trl:
+            return (prompts, responses), chosen
+        taken = inspect.signature(self.fn).parameters
+        passed = {"prompts": prompts, "completions": as_completions(prompts, responses)}
+        if self.columns is not None:  # no **kwargs: only the names it has
+            passed = {k: v for k, v in passed.items() if k in taken}
+        return (), {**passed, **chosen}
 
     def __call__(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> list[float | None]:
         args, kwargs = self._arguments(prompts, responses, columns)

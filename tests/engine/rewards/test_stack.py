@@ -181,6 +181,48 @@ def test_function_reward_gets_conversations_as_lists_and_cannot_change_them(tmp_
     assert len(conversation) == 2
 
 
+
+def test_a_reward_function_written_for_trl_is_called_by_keyword_with_trls_completions(tmp_path):
+    # TRL's GRPOTrainer calls reward_func(prompts=, completions=, completion_ids=, **columns); a completion
+    # is the text for a plain prompt and [{"role": "assistant", "content": text}] for a conversation.
+    path = _write(tmp_path, """
+        seen = []
+
+        def accuracy(completions, solution, **kwargs):
+            seen.append((completions, solution, sorted(kwargs)))
+            texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+            return [1.0 if t.strip() == s else 0.0 for t, s in zip(texts, solution)]
+
+        def strict(prompts, completions, solution):  # no **kwargs: only the names it has
+            return [float(len(p)) + (10.0 if c == s else 0.0) for p, c, s in zip(prompts, completions, solution)]
+    """)
+    conversation = [{"role": "user", "content": "2+2?"}]
+    columns = {"solution": ["4", "9"], "source": ["a", "b"]}
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:accuracy"}])
+    result = RewardStack(config, torch.device("cpu")).score([conversation, "3*3="], [" 4", "9"], [True, True], [1, 1],
+                                                             columns=columns)
+    assert result.scores == [1.0, 1.0]
+    module = load_reward_function(f"{path}:accuracy").__globals__
+    assert module["seen"] == [([[{"role": "assistant", "content": " 4"}], "9"], ["4", "9"], ["prompts", "source"])]
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:strict"}])
+    result = RewardStack(config, torch.device("cpu")).score(["ab", "abc"], ["4", "8"], [True, True], [1, 1],
+                                                             columns=columns)
+    assert result.scores == [12.0, 3.0]
+
+
+def test_a_trl_reward_function_that_needs_completion_ids_is_refused_when_it_loads(tmp_path):
+    path = _write(tmp_path, "def f(completions, completion_ids, **kwargs): return [0.0] * len(completions)")
+    with pytest.raises(RewardFunctionError) as info:
+        load_reward_function(f"{path}:f")
+    assert info.value.message == (f"reward function '{path}:f' requires completion_ids, which ppo_cli does not pass "
+                                  "(it passes prompts, completions and the rows' columns, by keyword)")
+    assert info.value.hint == "give completion_ids a default (=None) or take **kwargs"
+    path = tmp_path / "columns_reward.py"
+    path.write_text("def g(completions, solution, **kwargs): return [0.0] * len(completions)")
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:g"}])
+    with pytest.raises(RewardFunctionError, match="takes the column\\(s\\) solution"):
+        RewardStack(config, torch.device("cpu")).score(["a"], ["b"], [True], [1], columns={"answer": ["4"]})
+
 @pytest.mark.slow
 def test_min_length_floor_of_the_demo_recipe_counts_tokens_as_the_tiny_tokenizer_does(tiny_models):
     from transformers import AutoTokenizer
