@@ -36,7 +36,7 @@ class CheckpointingChoice:
     reason: str = ""  # why 'auto' became ``value`` ('' for an explicit setting)
 
     def describe(self) -> str:
-        """e.g. 'gradient checkpointing auto -> on (activations 4.67 GB are the update's largest term; ...)'."""
+        """e.g. 'gradient checkpointing auto -> on (without it the update's activations would be 4.67 GB, its largest term; ...)'."""
         state = "on" if self.value else "off"
         if self.setting != "auto":
             return f"gradient checkpointing {state}"
@@ -63,8 +63,8 @@ def choose_gradient_checkpointing(setting: str | bool, lines: list[Line], budget
                                                   f"{budget_gb:.1f} GB{where}")
     other = f"{largest.role} {largest.part} {largest.gb:.2f} GB" if largest is not None else "nothing else"
     if activations > 0 and (largest is None or activations > largest.gb):
-        return CheckpointingChoice(setting, True, f"the update's activations, {activations:.2f} GB, are its largest "
-                                                  f"term; next: {other}")
+        return CheckpointingChoice(setting, True, f"without it the update's activations would be {activations:.2f} GB, "
+                                                  f"its largest term; next: {other}")
     fits = f"; {total:.2f} GB fits {budget_gb:.1f} GB{where}" if budget_gb is not None else ""
     return CheckpointingChoice(setting, False, f"the update's activations, {activations:.2f} GB, are below "
                                                f"{other}{fits}")

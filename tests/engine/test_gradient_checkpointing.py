@@ -42,7 +42,7 @@ def test_auto_is_on_when_the_activations_with_their_freed_heap_are_the_largest_t
     # 0.3 GB of activations keep 0.66 GB of freed heap resident (2.2 x): 0.96 GB, above the 0.5 GB weights
     choice = choose_gradient_checkpointing("auto", plan_lines(activations=0.3, retained=0.66), budget_gb=None)
     assert choice.value is True
-    assert choice.reason == "the update's activations, 0.96 GB, are its largest term; next: policy weights 0.50 GB"
+    assert choice.reason == "without it the update's activations would be 0.96 GB, its largest term; next: policy weights 0.50 GB"
     assert choice.describe() == f"gradient checkpointing auto -> on ({choice.reason})"
 
 
