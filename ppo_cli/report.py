@@ -125,9 +125,20 @@ def _before_after(summary: dict):
     return table
 
 
-def _warnings_block(warnings: list[dict]):
+def no_warnings_line(updates: int, window: int | None) -> str:
+    """What "no health warnings" means after ``updates`` updates, when the rules wait for a full
+    ``window`` (monitor.py; None: the monitor was off)."""
+    if window is None:
+        return "no health checks (monitor.enabled: false)"
+    if updates < window:
+        return (f"no health warnings, but most rules wait for {window} updates (monitor.window) and this run had "
+                f"{updates}: only the ratio and failed-reward checks ran")
+    return "no health warnings"
+
+
+def _warnings_block(warnings: list[dict], updates: int, window: int | None):
     if not warnings:
-        return Text("no health warnings", style="green")
+        return Text(no_warnings_line(updates, window), style="green" if window is not None and updates >= window else "dim")
     table = Table(show_header=False, box=None, pad_edge=False, title=f"health warnings ({len(warnings)})",
                   title_justify="left", title_style="bold yellow")
     table.add_column(no_wrap=True)
@@ -160,7 +171,7 @@ def print_train_summary(summary: dict) -> None:
     files.add_column(overflow="fold")
     for name, path in (summary.get("files") or {"final model": summary["final_dir"]}).items():
         files.add_row(name, path)
-    body = Group(_before_after(summary), Text(""), throughput, Text(""), _warnings_block(summary.get("warnings") or []),
+    body = Group(_before_after(summary), Text(""), throughput, Text(""), _warnings_block(summary.get("warnings") or [], summary["updates"], summary.get("health_window", 10)),
                  Text(""), files)
     console.print(Panel(body, title=f"[bold]run {summary['run_dir']}[/]", title_align="left", expand=False))
 

@@ -231,6 +231,7 @@ def _finish(state, run_dir, before, after, merge: bool, started: float, observer
         atomic_write_text(run_dir.eval, json.dumps({"prompts": recipe.data.eval_prompts, "before": before, "after": after}, indent=2))
     summary = {
         "run_dir": str(run_dir.path), "final_dir": str(run_dir.final), "updates": state.step,
+        "health_window": recipe.monitor.window if recipe.monitor.enabled else None,  # report.no_warnings_line
         "episodes": state.episodes * state.dist.world_size, "processes": state.dist.world_size,
         "mixed_precision": state.dist.mixed_precision,  # train.mixed_precision as resolved ('auto' made concrete)
         "mixed_precision_choice": precision_record(state.dist.precision),

@@ -69,3 +69,16 @@ def test_train_summary_names_the_phase_that_set_the_peak_where_it_was_measured()
     assert "peak memory 5.81 GB (in the update)" in printed_words(train_summary(peak_memory_gb_by_phase=by_phase))
     words = printed_words(train_summary())  # on a CPU: not measured by phase
     assert "peak memory 5.81 GB" in words and "(in the" not in words
+
+
+def test_a_run_shorter_than_the_health_window_does_not_claim_a_clean_bill_of_health():
+    def printed(summary):
+        with report.console.capture() as capture:
+            report.print_train_summary(summary)
+        return " ".join(word for word in capture.get().split() if word not in "│╭╮╰╯─")
+
+    assert ("no health warnings, but most rules wait for 10 updates (monitor.window) and this run had 3: only the "
+            "ratio and failed-reward checks ran") in printed(train_summary(health_window=10))
+    words = printed(train_summary(updates=12, health_window=10))
+    assert "no health warnings" in words and "but most rules" not in words
+    assert "no health checks (monitor.enabled: false)" in printed(train_summary(health_window=None))
