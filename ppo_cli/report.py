@@ -122,6 +122,10 @@ def _before_after(summary: dict):
                                     ("KL to reference", HELD_OUT_KL, "{:.3f}", "{:+.3f}")):
         if key in before and key in after:
             table.add_row(label, fmt.format(before[key]), fmt.format(after[key]), change.format(after[key] - before[key]))
+    if min(before.get(HELD_OUT_KL, 0.0), after.get(HELD_OUT_KL, 0.0)) < 0:
+        from rich.console import Group
+
+        return Group(table, Text(KL_BELOW_ZERO.replace("mean KL", "the held-out KL", 1), style="dim"))
     return table
 
 

@@ -82,3 +82,14 @@ def test_a_run_shorter_than_the_health_window_does_not_claim_a_clean_bill_of_hea
     words = printed(train_summary(updates=12, health_window=10))
     assert "no health warnings" in words and "but most rules" not in words
     assert "no health checks (monitor.enabled: false)" in printed(train_summary(health_window=None))
+
+
+def test_a_held_out_kl_below_zero_is_explained_under_the_before_after_table():
+    from ppo_cli.metric_names import HELD_OUT_KL, HELD_OUT_SCORE
+
+    with report.console.capture() as capture:
+        report.print_train_summary(train_summary(before={HELD_OUT_SCORE: 0.1, HELD_OUT_KL: 0.0},
+                                                 after={HELD_OUT_SCORE: 0.4, HELD_OUT_KL: -0.118}, health_window=10))
+    words = " ".join(word for word in capture.get().split() if word not in "│╭╮╰╯─")
+    assert "KL to reference 0.000 -0.118 -0.118" in words
+    assert "the held-out KL to reference is below zero: it is estimated from the sampled tokens" in words
