@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 
 from ppo_cli import __version__
 from ppo_cli.commands import inputs
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, PpoError, UsageError, first_line, print_error, stderr_console
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_STDOUT_CLOSED, PpoError, UsageError, first_line, print_error, stderr_console
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -230,8 +230,9 @@ def plan(
                           "policy's and critic's weights; the policy is gathered whole for generation).")
     ] = "none",
 ) -> None:
-    """Memory each role needs (weights, LoRA, gradients, optimizer, activations, KV cache), from the model
-    configs alone; if it does not fit, the recipe changes that would make it fit."""
+    """Memory each role needs, from the model configs alone; if it does not fit, the changes that would fit.
+
+    Counts weights, LoRA, gradients, optimizer states, activations and the KV cache, per role and phase."""
     from ppo_cli.recipe_loading import load_recipe
 
     from ppo_cli.commands.plan import check_sharding
@@ -423,6 +424,8 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")
         return EXIT_INTERRUPTED
+    if isinstance(err, BrokenPipeError) and stdout_reader_gone():
+        return EXIT_STDOUT_CLOSED  # nothing to say: whoever would read it has gone, as after `| head`
     from ppo_cli.resource_errors import is_out_of_memory
 
     if is_out_of_memory(err):  # outside training's phases (loading, eval, compare): still not a bug
@@ -433,6 +436,24 @@ def report_error(err: BaseException) -> int:
         return EXIT_RUNTIME
     print_error(f"unexpected {type(err).__name__}: {first_line(err)}", BUG_HINT)
     return EXIT_RUNTIME
+
+
+def stdout_reader_gone() -> bool:
+    """stdout is a pipe whose reading end is closed (Linux's poll says POLLERR); then stdout is pointed
+    at /dev/null, so that Python's last flush at exit does not print a second BrokenPipeError. A broken
+    socket (a reward server's) is not this, and stays an error."""
+    import os
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+        if gone:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return gone
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is not a real file
+        return False
 
 
 def print_yaml(text: str) -> None:

@@ -13,6 +13,7 @@ EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
 EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference
 EXIT_DOES_NOT_FIT = 3  # `ppo plan`: the recipe does not fit the memory budget (--gpu-memory or the local GPU)
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
+EXIT_STDOUT_CLOSED = 141  # the reader of stdout went away (`ppo ... | head`): 128 + SIGPIPE, as a shell reports
 
 
 class PpoError(Exception):

@@ -390,3 +390,27 @@ def test_train_launched_process_refuses_vllm_before_loading_models(monkeypatch):
     recipe = load_recipe(MINIMAL, ["generation.backend=vllm"])
     with pytest.raises(UsageError, match="generation.backend 'vllm' runs in one process only"):
         preflight(recipe)
+
+
+STDOUT_CLOSED = """
+import os, sys
+from ppo_cli.cli import report_error
+if sys.argv[1] == "closed":
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    os.dup2(write_end, sys.stdout.fileno())
+sys.stderr.write(f"exit code {report_error(BrokenPipeError(32, 'Broken pipe'))}\\n")
+"""
+
+
+@pytest.mark.parametrize("stdout", ["closed", "open"])
+def test_a_closed_stdout_ends_the_command_quietly_and_a_broken_socket_is_still_an_error(stdout):
+    # `ppo train --help | head` once ended with "error: unexpected BrokenPipeError ... this is a bug".
+    done = subprocess.run([sys.executable, "-c", STDOUT_CLOSED, stdout], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if stdout == "closed":
+        assert (done.returncode, done.stderr) == (0, "exit code 141\n")
+    else:
+        assert done.stderr.splitlines() == ["error: unexpected BrokenPipeError: [Errno 32] Broken pipe",
+                                            "hint: run again with --debug for the traceback; this is a bug, please report it",
+                                            "exit code 1"]
