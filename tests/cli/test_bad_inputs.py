@@ -115,6 +115,12 @@ def _both(*edits: Callable[[dict], None]) -> Callable[[dict], None]:
 
 NOT_UTF8 = "I think the book was\n".encode() + b"\xff\xfe bad bytes\n"
 FN_OK = "def reward(prompts, responses):\n    return [1.0] * len(responses)\n"
+FN_SYNTAX_ERROR = "def reward(prompts, responses:\n"
+
+
+def _reward_function(e: Env, source: str) -> list[str]:
+    return _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', source)}:reward'}}]")
+
 
 # (id, argv builder, text the one error line must contain)
 CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
@@ -182,6 +188,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.4 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
+    ("validate-function-syntax-error", lambda e: ["validate", e.recipe()] + _reward_function(e, FN_SYNTAX_ERROR), "fn.py:1: Python syntax error: '(' was never closed"),
     ("validate-function-name-missing", lambda e: ["validate", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', FN_OK)}:rewrd'}}]"), "has no function 'rewrd'"),
 ]
 

@@ -129,6 +129,27 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     assert result.stderr.strip() == SUMMARY
 
 
+def _minimal_workspace(tmp_path: Path, monkeypatch, reward: str) -> None:
+    """MINIMAL's files in tmp_path: a policy directory, rewards.py holding ``reward``, the prompts as my/train.jsonl."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "tiny" / "policy").mkdir(parents=True)
+    (tmp_path / "tiny" / "policy" / "config.json").write_text("{}")
+    (tmp_path / "my").mkdir()
+    (tmp_path / "my" / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (tmp_path / "rewards.py").write_text("raise SystemExit('imported')\n" + reward)  # validate must not run it
+
+
+def test_validate_reports_a_syntax_error_in_the_reward_functions_file_without_running_it(tmp_path, monkeypatch):
+    _minimal_workspace(tmp_path, monkeypatch, "\ndef length_reward(prompts, responses:\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [
+        "error: rewards.py:3: Python syntax error: '(' was never closed",
+        "hint: fix the reward function's file; python -m py_compile rewards.py shows the error in full",
+    ]
+
+
 def test_validate_refuses_a_conversation_reward_model_without_a_chat_template(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.txt").write_text("The movie was\n")

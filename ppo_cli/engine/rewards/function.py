@@ -42,8 +42,12 @@ def check_defines(path: Path, name: str) -> None:
     import difflib
 
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, OSError):
+        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: a coding cookie is honoured, as on import
+    except SyntaxError as err:
+        line = f":{err.lineno}" if err.lineno else ""
+        raise RewardFunctionError(f"{path}{line}: Python syntax error: {err.msg}",
+                                  hint=f"fix the reward function's file; python -m py_compile {path} shows the error in full") from None
+    except (ValueError, OSError):
         return  # importing it says what is wrong, when training
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
