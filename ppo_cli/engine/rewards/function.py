@@ -15,11 +15,15 @@ import copy
 import inspect
 import math
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from ppo_cli.engine.rewards.function_columns import declared_columns, missing_columns_error, required_columns
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
+
+if TYPE_CHECKING:
+    from ppo_cli.engine.data import PromptSet
 
 
 def check(component: FunctionReward, contact_servers: bool = True, import_functions: bool = False) -> None:
@@ -58,6 +62,28 @@ def check_defines(path: Path, name: str) -> None:
         raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
 
 
+def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], given: set[str] = frozenset(),
+                  import_functions: bool = False) -> None:
+    """Before any model loads: one line for a column the function takes that the rows of a prompts source
+    (``rows``: (source, its PromptSet) pairs) lack; ``given``: the columns every row gets besides (an episode's
+    ``messages``). The signature is the imported function's (``import_functions``: train) or its file's
+    source (validate: read, not run); one the source does not say (a module, an assigned name) is checked
+    when scoring."""
+    target, _, name = component.function.rpartition(":")
+    if import_functions:
+        required = required_columns(load_reward_function(component.function))
+    else:
+        required = declared_columns(Path(target), name) if target.endswith(".py") else None
+    if not required:
+        return
+    for source, prompt_set in rows:
+        names = prompt_set.column_names | given
+        missing = sorted(required - names)
+        if missing:
+            fields = names | ({prompt_set.column} if prompt_set.column else set())
+            raise missing_columns_error(component.function, missing, f"the rows of {source}", fields)
+
+
 def display_name(component: FunctionReward) -> str:
     return component.function.rpartition(":")[2]
 
@@ -81,12 +107,6 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-def required_columns(fn: Callable) -> set[str]:
-    """The column parameters ``fn`` cannot do without (no default)."""
-    parameters = list(inspect.signature(fn).parameters.values())[2:]
-    return {p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-
-
 def accepted_columns(fn: Callable) -> set[str] | None:
     """The keyword names ``fn`` takes past (prompts, responses); None when it takes ``**kwargs`` (all)."""
     parameters = list(inspect.signature(fn).parameters.values())
@@ -107,13 +127,11 @@ class FunctionScorer:
         if inspect.iscoroutinefunction(self.fn):
             self.ascore = self._ascore
 
-    def check_columns(self, names: set[str], rows: str) -> None:
+    def check_columns(self, names: set[str], rows: str, fields: set[str] | None = None) -> None:
+        """``names``: the columns the rows have; ``fields``: what they show (with the prompt column), if known."""
         missing = sorted(required_columns(self.fn) - names)
         if missing:
-            raise RewardFunctionError(
-                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which {rows} do not have",
-                hint="use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)",
-            )
+            raise missing_columns_error(self.spec, missing, rows, names if fields is None else fields)
 
     def _arguments(self, prompts: list, responses: list[str], columns: dict[str, list] | None) -> tuple[tuple, dict]:
         """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
