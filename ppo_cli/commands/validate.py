@@ -29,15 +29,19 @@ class ValidateResult:
 def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[list[str], list[str]]:
     """The one check before any model loads, for `ppo validate` and `ppo train` alike: prompts files
     (readable, not empty), model paths (a saved model, or a hub id), each reward component's files,
-    and that each reward server and judge answers (engine/rewards/checks.py). Returns the prompts and the
+    that each reward server and judge answers, and that the prompts' rows (held-out ones too) have the
+    columns each reward function takes (engine/rewards/checks.py). Returns the prompts and the
     held-out prompts. A reward function's module is imported (its code runs) only with
     ``import_functions``: when training asks for it, not when a recipe is validated."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
-    from ppo_cli.engine.rewards.checks import check_reward_components
+    from ppo_cli.engine.rewards.checks import check_reward_columns, check_reward_components
 
-    prompts = read_recipe_prompts(recipe.data).prompts
-    eval_prompts = read_recipe_prompts(recipe.data, "eval_prompts").prompts if recipe.data.eval_prompts else []
+    rows = [(str(recipe.data.prompts), read_recipe_prompts(recipe.data))]
+    if recipe.data.eval_prompts:  # held-out prompts are scored with the same reward
+        rows.append((str(recipe.data.eval_prompts), read_recipe_prompts(recipe.data, "eval_prompts")))
+    prompts = rows[0][1].prompts
+    eval_prompts = rows[1][1].prompts if recipe.data.eval_prompts else []
     check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
     for path in (recipe.policy.path, recipe.reference.path, recipe.value.path):
         if path:
@@ -45,6 +49,9 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
     check_reward_components(recipe.reward, import_functions=import_functions)  # files, credentials, servers
+    # an episode's transcript is a column too, with an environment (Engine.episode_columns)
+    given = {"messages"} if recipe.environment is not None else set()
+    check_reward_columns(recipe.reward, rows, given, import_functions=import_functions)
     return prompts, eval_prompts
 
 

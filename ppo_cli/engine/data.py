@@ -33,6 +33,12 @@ class PromptSet:
     prompts: list[Prompt]
     skipped_blank: int = 0  # blank lines skipped in a .txt file, reported to the user
     columns: list[dict] = field(default_factory=list)  # per prompt, its row's other fields ([] for .txt)
+    column: str | None = None  # the rows' prompt column (None for .txt)
+
+    @property
+    def column_names(self) -> set[str]:
+        """Every other column some row has: what a reward function can be given by name."""
+        return {name for row in self.columns for name in row}
 
 
 def is_conversation(prompt: Prompt) -> bool:
@@ -147,7 +153,7 @@ def _read_jsonl(path: Path, field_name: str | None) -> PromptSet:
             raise DataError(f"{where}: no '{column}' field (fields: {keys})", hint=_FIELD_HINT)
         prompts.append(prompt_from_value(row[column], column, where))
         others.append({k: v for k, v in row.items() if k != column})
-    return PromptSet(prompts, columns=others)
+    return PromptSet(prompts, columns=others, column=column)
 
 
 def _read_dataset(dataset, field_name: str | None, source: str) -> PromptSet:
@@ -157,7 +163,8 @@ def _read_dataset(dataset, field_name: str | None, source: str) -> PromptSet:
     other_names = [c for c in dataset.column_names if c != column]
     other_values = {c: dataset[c] for c in other_names}
     others = [{c: other_values[c][i] for c in other_names} for i in range(len(values))]
-    return PromptSet([prompt_from_value(v, column, f"{source}: row {i}") for i, v in enumerate(values)], columns=others)
+    return PromptSet([prompt_from_value(v, column, f"{source}: row {i}") for i, v in enumerate(values)], columns=others,
+                     column=column)
 
 
 def _read_dataset_file(path: Path, field_name: str | None) -> PromptSet:
@@ -175,7 +182,8 @@ def _read_dataset_dir(path: Path, field_name: str | None, split: str) -> PromptS
     if files:
         sets = [_read_jsonl(p, field_name) if p.suffix == ".jsonl" else _read_txt(p) for p in files]
         columns = [c for s in sets for c in (s.columns or [{}] * len(s.prompts))]
-        return PromptSet([p for s in sets for p in s.prompts], sum(s.skipped_blank for s in sets), columns)
+        column = next((s.column for s in sets if s.column), None)
+        return PromptSet([p for s in sets for p in s.prompts], sum(s.skipped_blank for s in sets), columns, column)
     datasets = _import_datasets(str(path))
     try:
         dataset = datasets.load_from_disk(str(path))
@@ -295,10 +303,12 @@ class PromptColumns:
     def __init__(self, sources: list[PromptSet] = ()):
         self._rows: dict[str, dict] = {}
         self._ambiguous: set[str] = set()
+        self._prompt_columns: set[str] = set()
         for prompt_set in sources:
             self.add(prompt_set)
 
     def add(self, prompt_set: PromptSet) -> None:
+        self._prompt_columns |= {prompt_set.column} if prompt_set.column else set()
         for prompt, row in zip(prompt_set.prompts, prompt_set.columns):
             key = prompt_key(prompt)
             if key in self._rows and self._rows[key] != row:
@@ -309,6 +319,11 @@ class PromptColumns:
     def names(self) -> set[str]:
         """Every column some row has."""
         return {name for row in self._rows.values() for name in row}
+
+    @property
+    def fields(self) -> set[str]:
+        """The rows' fields as their file shows them: the columns and the prompt column."""
+        return self.names | self._prompt_columns
 
     def columns_for(self, prompts: list[Prompt]) -> dict[str, list]:
         """Column name -> (B,) values for ``prompts`` (None where a row lacks the column)."""

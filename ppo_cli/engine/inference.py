@@ -73,8 +73,8 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
                         columns if columns is not None else lambda: recipe_prompt_columns(recipe.data),
                         max_new_tokens=recipe.generation.max_new_tokens)
     if columns is not None:  # an episode's transcript is a column too, with an environment
-        stack.check_columns(columns.names | ({"messages"} if recipe.environment is not None else set()),
-                            source or "the prompts")
+        given = {"messages"} if recipe.environment is not None else set()
+        stack.check_columns(columns.names | given, source or "the prompts", columns.fields | given)
     return stack
 
 

@@ -115,6 +115,25 @@ def _both(*edits: Callable[[dict], None]) -> Callable[[dict], None]:
 
 NOT_UTF8 = "I think the book was\n".encode() + b"\xff\xfe bad bytes\n"
 FN_OK = "def reward(prompts, responses):\n    return [1.0] * len(responses)\n"
+FN_SYNTAX_ERROR = "def reward(prompts, responses:\n"
+FN_TAKES_SOLUTION = "def reward(prompts, responses, solution):\n    return [1.0] * len(responses)\n"
+ROWS_WITH_ANSWER = '{"prompt": "What is 1+1?", "answer": "2"}\n'
+
+
+def _reward_function(e: Env, source: str) -> list[str]:
+    return _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', source)}:reward'}}]")
+
+
+def _columns(command: str, source: str, eval_rows: str | None = None) -> Callable[[Env], list[str]]:
+    """`ppo COMMAND` with prompt rows that have an answer, held-out rows ``eval_rows`` and the reward function ``source``."""
+    def build(e: Env) -> list[str]:
+        edits = [_edit("data.prompts", e.file("p.jsonl", ROWS_WITH_ANSWER))]
+        if eval_rows is not None:
+            edits.append(_edit("data.eval_prompts", e.file("eval.jsonl", eval_rows)))
+        return [command, e.recipe(_both(*edits))] + _reward_function(e, source)
+
+    return build
+
 
 # (id, argv builder, text the one error line must contain)
 CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
@@ -182,6 +201,10 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.4 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),
+    ("validate-function-syntax-error", lambda e: ["validate", e.recipe()] + _reward_function(e, FN_SYNTAX_ERROR), "fn.py:1: Python syntax error: '(' was never closed"),
+    ("function-column-missing", _columns("train", FN_TAKES_SOLUTION), "takes the column(s) solution, which the rows of"),
+    ("validate-function-column-missing", _columns("validate", FN_TAKES_SOLUTION), "(they have: answer, prompt)"),
+    ("validate-function-eval-column-missing", _columns("validate", FN_TAKES_SOLUTION.replace("solution", "answer"), '{"prompt": "2+2?", "solution": "4"}\n'), "eval.jsonl do not have (they have: prompt, solution)"),
     ("validate-function-name-missing", lambda e: ["validate", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.file('fn.py', FN_OK)}:rewrd'}}]"), "has no function 'rewrd'"),
 ]
 
@@ -320,6 +343,27 @@ def test_validate_reads_the_reward_file_for_the_function_name_without_running_it
     with pytest.raises(RewardFunctionError) as err:
         _check_defines(path, "rewrd")
     assert (str(err.value), err.value.hint) == (f"'{path}' has no function 'rewrd'", "did you mean 'reward'?")
+
+
+def test_train_refuses_a_reward_column_the_prompt_rows_lack_before_loading_a_model(stub_models, tmp_path, monkeypatch):
+    """Found in preflight, as `ppo eval` finds it, not after the models load (45 s on a real model)."""
+    import ppo_cli.commands.train as train
+
+    def load_the_models(*args, **kwargs):
+        raise AssertionError("the models were loaded before the reward's columns were checked")
+
+    monkeypatch.setattr(train, "_run_processes", load_the_models)  # everything from loading the models on
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, stub_models)
+    prompts = env.file("train.jsonl", ROWS_WITH_ANSWER)
+    result = runner.invoke(app, ["train", env.recipe(_edit("data.prompts", prompts))] + _reward_function(env, FN_TAKES_SOLUTION))
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.splitlines() == [
+        f"error: reward function '{tmp_path}/fn.py:reward' takes the column(s) solution, which the rows of {prompts} "
+        "do not have (they have: answer, prompt)",
+        "hint: use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)",
+    ]
 
 
 def test_output_dir_set_to_a_run_directory_is_refused_before_loading(stub_models, tmp_path, monkeypatch):

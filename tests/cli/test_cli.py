@@ -129,6 +129,60 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     assert result.stderr.strip() == SUMMARY
 
 
+def _minimal_workspace(tmp_path: Path, monkeypatch, reward: str) -> None:
+    """MINIMAL's files in tmp_path: a policy directory, rewards.py holding ``reward``, the prompts as my/train.jsonl."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "tiny" / "policy").mkdir(parents=True)
+    (tmp_path / "tiny" / "policy" / "config.json").write_text("{}")
+    (tmp_path / "my").mkdir()
+    (tmp_path / "my" / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (tmp_path / "rewards.py").write_text("raise SystemExit('imported')\n" + reward)  # validate must not run it
+
+
+def test_validate_reports_a_syntax_error_in_the_reward_functions_file_without_running_it(tmp_path, monkeypatch):
+    _minimal_workspace(tmp_path, monkeypatch, "\ndef length_reward(prompts, responses:\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [
+        "error: rewards.py:3: Python syntax error: '(' was never closed",
+        "hint: fix the reward function's file; python -m py_compile rewards.py shows the error in full",
+    ]
+
+
+@pytest.mark.parametrize("signature", ["(prompts, responses, solution)", "(completions, solution, **kwargs)"],
+                         ids=["positional", "trl-style"])
+def test_validate_refuses_a_reward_function_taking_a_column_the_prompt_rows_lack(tmp_path, monkeypatch, signature):
+    _minimal_workspace(tmp_path, monkeypatch, f"def length_reward{signature}:\n    return []\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [
+        "error: reward function 'rewards.py:length_reward' takes the column(s) solution, which the rows of "
+        "my/train.jsonl do not have (they have: answer, prompt)",
+        "hint: use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)",
+    ]
+
+
+def test_validate_checks_the_eval_prompts_rows_columns_too(tmp_path, monkeypatch):
+    _minimal_workspace(tmp_path, monkeypatch, "def length_reward(prompts, responses, answer, hint=None):\n    return []\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == 0, result.output  # the rows have answer; hint has a default
+    (tmp_path / "my" / "eval.txt").write_text("3+4?\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl", "--set", "data.eval_prompts=my/eval.txt")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines()[0] == (
+        "error: reward function 'rewards.py:length_reward' takes the column(s) answer, which the rows of "
+        "my/eval.txt do not have (they have: none)")
+
+
+def test_validate_says_a_reward_asking_for_the_prompt_column_gets_it_as_prompts(tmp_path, monkeypatch):
+    _minimal_workspace(tmp_path, monkeypatch, "def length_reward(prompts, responses, prompt):\n    return []\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines()[1] == (
+        "hint: 'prompt' is the prompt column: the function gets it as its first argument (prompts)")
+
+
 def test_validate_refuses_a_conversation_reward_model_without_a_chat_template(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.txt").write_text("The movie was\n")

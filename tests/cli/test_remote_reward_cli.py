@@ -138,5 +138,5 @@ def test_eval_refuses_a_reward_needing_a_column_its_prompts_file_lacks_before_lo
     assert result.exit_code != 0
     (line,) = _error_lines(result)
     assert line == (f"error: reward function '{tmp_path}/answer_reward.py:reward' takes the column(s) answer, which the "
-                    f"rows of {other} do not have")
+                    f"rows of {other} do not have (they have: id, prompt)")
     assert "Traceback" not in result.output

@@ -161,3 +161,24 @@ def test_jsonl_rows_carry_their_other_fields_as_columns(tmp_path):
     # a rollout's prompts: repeated and reordered; a row without a column gets None there
     assert PromptColumns([prompt_set]).columns_for(["2+2?", "1+1?", "2+2?"]) == {
         "answer": ["4", "2", "4"], "level": [None, 1, None]}
+
+
+@pytest.mark.parametrize("source", ["jsonl", "csv", "saved", "directory", "txt"])
+def test_prompt_sets_name_their_prompt_column_and_the_columns_a_reward_can_take(tmp_path, source):
+    """What validate checks a reward function's columns against, for files and datasets alike."""
+    rows = [{"question": "1+1?", "answer": "2", "level": 1}, {"question": "2+2?", "answer": "4", "level": 2}]
+    path = tmp_path / f"data.{source}"
+    if source == "jsonl":
+        _jsonl(path, rows)
+    elif source == "directory":
+        path.mkdir()
+        _jsonl(path / "part.jsonl", rows)
+    elif source == "csv":
+        path.write_text("question,answer,level\n1+1?,2,1\n2+2?,4,2\n")
+    elif source == "saved":
+        _dataset(rows).save_to_disk(str(path))
+    else:
+        path.write_text("1+1?\n")
+    prompt_set = read_prompts(path, None if source == "txt" else "question")
+    expected = (None, set()) if source == "txt" else ("question", {"answer", "level"})
+    assert (prompt_set.column, prompt_set.column_names) == expected

@@ -8,8 +8,13 @@ is one line naming the component, the file or the URL, exit code 2. Imports no t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ppo_cli.engine.rewards.registry import REWARD_TYPES
 from ppo_cli.recipe import RewardConfig
+
+if TYPE_CHECKING:
+    from ppo_cli.engine.data import PromptSet
 
 
 def check_reward_components(reward: RewardConfig, contact_servers: bool = True, import_functions: bool = False) -> None:
@@ -18,3 +23,14 @@ def check_reward_components(reward: RewardConfig, contact_servers: bool = True, 
     their files are only read."""
     for component in reward.components:
         REWARD_TYPES[component.type].check(component, contact_servers=contact_servers, import_functions=import_functions)
+
+
+def check_reward_columns(reward: RewardConfig, rows: list[tuple[str, PromptSet]], given: set[str] = frozenset(),
+                         import_functions: bool = False) -> None:
+    """Every component that reads the rows' columns by name (a type module's ``check_columns``) against
+    the rows of each prompts source (``rows``: (source, PromptSet) pairs); ``given``: columns every row gets
+    besides. ``import_functions`` as for check_reward_components."""
+    for component in reward.components:
+        check = getattr(REWARD_TYPES[component.type], "check_columns", None)
+        if check is not None:
+            check(component, rows, given, import_functions=import_functions)

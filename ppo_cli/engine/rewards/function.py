@@ -5,12 +5,13 @@ Called as ``fn(prompts, responses, **columns)`` where each of the prompt rows' o
 signature names, or all of them if it takes ``**kwargs``; one that takes neither gets
 ``(prompts, responses)``. A function written for TRL's GRPOTrainer, one with a parameter named
 ``completions`` (``def accuracy(completions, solution, **kwargs)``), is called as TRL calls it: by
-keyword, ``fn(prompts=..., completions=..., **columns)``, each completion a string for a plain-text
+keyword, ``fn(prompts=..., completions=..., **columns)`` (and ``responses=``, the texts, if it takes
+them), each completion a string for a plain-text
 prompt and ``[{"role": "assistant", "content": ...}]`` for a conversation; TRL's ``completion_ids`` and
-``trainer_state`` are not passed (a function that requires them is refused when it loads).
-``async def`` functions are awaited, together
-with the recipe's other asynchronous components. A None in what it returns marks a completion it
-could not score, and so does a NaN or an infinity: that completion leaves the update and is counted
+``trainer_state`` are not passed (a function that requires them is refused when it loads). Which
+columns a function requires: function_columns.py. ``async def`` functions are awaited, together with
+the recipe's other asynchronous components. A None in what it returns marks a completion it could not
+score, and so does a NaN or an infinity: that completion leaves the update and is counted
 (reward/failed_rate), as one a reward server failed to score does.
 """
 
@@ -20,11 +21,16 @@ import copy
 import inspect
 import math
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, TRL_ARGUMENTS, called_like_trl, declared_columns,
+                                                     missing_columns_error, required_columns, required_parameters)
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
+
+if TYPE_CHECKING:
+    from ppo_cli.engine.data import PromptSet
 
 
 def check(component: FunctionReward, contact_servers: bool = True, import_functions: bool = False) -> None:
@@ -47,8 +53,12 @@ def check_defines(path: Path, name: str) -> None:
     import difflib
 
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, OSError):
+        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: a coding cookie is honoured, as on import
+    except SyntaxError as err:
+        line = f":{err.lineno}" if err.lineno else ""
+        raise RewardFunctionError(f"{path}{line}: Python syntax error: {err.msg}",
+                                  hint=f"fix the reward function's file; python -m py_compile {path} shows the error in full") from None
+    except (ValueError, OSError):
         return  # importing it says what is wrong, when training
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
@@ -59,18 +69,30 @@ def check_defines(path: Path, name: str) -> None:
         raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
 
 
+def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], given: set[str] = frozenset(),
+                  import_functions: bool = False) -> None:
+    """Before any model loads: one line for a column the function takes that the rows of a prompts source
+    (``rows``: (source, its PromptSet) pairs) lack; ``given``: the columns every row gets besides (an episode's
+    ``messages``). The signature is the imported function's (``import_functions``: train) or its file's
+    source (validate: read, not run); one the source does not say (a module, an assigned name) is checked
+    when scoring."""
+    target, _, name = component.function.rpartition(":")
+    if import_functions:
+        required = required_columns(load_reward_function(component.function))
+    else:
+        required = declared_columns(Path(target), name) if target.endswith(".py") else None
+    if not required:
+        return
+    for source, prompt_set in rows:
+        names = prompt_set.column_names | given
+        missing = sorted(required - names)
+        if missing:
+            fields = names | ({prompt_set.column} if prompt_set.column else set())
+            raise missing_columns_error(component.function, missing, f"the rows of {source}", fields)
+
+
 def display_name(component: FunctionReward) -> str:
     return component.function.rpartition(":")[2]
-
-
-# What TRL passes a reward function besides the columns; ppo_cli passes the first two.
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
-
-
-def called_like_trl(fn: Callable) -> bool:
-    """A function written for TRL's GRPOTrainer: it names ``completions`` (and not ``responses``)."""
-    parameters = inspect.signature(fn).parameters
-    return "completions" in parameters and "responses" not in parameters
 
 
 def load_reward_function(spec: str) -> Callable:
@@ -83,7 +105,7 @@ def load_reward_function(spec: str) -> Callable:
         raise RewardFunctionError(f"'{target}' has no function '{name}'",
                                   hint=f"'{name}' there is a {type(fn).__name__}; {define}")
     if called_like_trl(fn):
-        unpassed = sorted(set(_required(fn)) & set(TRL_ARGUMENTS[2:]))
+        unpassed = sorted(set(required_parameters(fn)) & NOT_PASSED)
         if unpassed:
             raise RewardFunctionError(
                 f"reward function '{spec}' requires {', '.join(unpassed)}, which ppo_cli does not pass "
@@ -98,19 +120,6 @@ def load_reward_function(spec: str) -> Callable:
             hint=f"def {name}(prompts: list[str], responses: list[str], **columns) -> list[float]",
         ) from None
     return fn
-
-
-def _required(fn: Callable) -> list[str]:
-    parameters = inspect.signature(fn).parameters.values()
-    return [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
-def required_columns(fn: Callable) -> set[str]:
-    """The column parameters ``fn`` cannot do without (no default): past (prompts, responses), or
-    past TRL's names for a function called like TRL's."""
-    if called_like_trl(fn):
-        return set(_required(fn)) - set(TRL_ARGUMENTS)
-    return set(_required(fn)[2:])
 
 
 def accepted_columns(fn: Callable) -> set[str] | None:
@@ -143,13 +152,11 @@ class FunctionScorer:
         if inspect.iscoroutinefunction(self.fn):
             self.ascore = self._ascore
 
-    def check_columns(self, names: set[str], rows: str) -> None:
+    def check_columns(self, names: set[str], rows: str, fields: set[str] | None = None) -> None:
+        """``names``: the columns the rows have; ``fields``: what they show (with the prompt column), if known."""
         missing = sorted(required_columns(self.fn) - names)
         if missing:
-            raise RewardFunctionError(
-                f"reward function '{self.spec}' takes the column(s) {', '.join(missing)}, which {rows} do not have",
-                hint="use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)",
-            )
+            raise missing_columns_error(self.spec, missing, rows, names if fields is None else fields)
 
     def _arguments(self, prompts: list, responses: list[str], columns: dict[str, list] | None) -> tuple[tuple, dict]:
         """``prompts`` as the data has them, like TRL's reward functions: strings for plain-text rows,
@@ -162,7 +169,7 @@ class FunctionScorer:
         if not self.like_trl:
             return (prompts, responses), chosen
         taken = inspect.signature(self.fn).parameters
-        passed = {"prompts": prompts, "completions": as_completions(prompts, responses)}
+        passed = {"prompts": prompts, "completions": as_completions(prompts, responses), "responses": responses}
         if self.columns is not None:  # no **kwargs: only the names it has
             passed = {k: v for k, v in passed.items() if k in taken}
         return (), {**passed, **chosen}

@@ -8,7 +8,9 @@ Each module holds everything its type means beyond the schema (recipe.py):
   latest failure, one line) if it can fail;
 - ``check(component, contact_servers, import_functions)``: its files, credentials and servers, before
   any model loads (`ppo validate`, train's preflight; rewards/checks.py);
-- ``display_name(component)``: its name in the metrics, logs and summary.
+- ``display_name(component)``: its name in the metrics, logs and summary;
+- optionally ``check_columns(component, rows, given, import_functions)``: the dataset columns it takes by
+  name, against the prompts' rows, before any model loads (rewards/checks.py).
 
 Importing this registry imports no torch: the type modules load their models only when a scorer is built.
 """

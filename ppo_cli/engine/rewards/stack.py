@@ -86,11 +86,12 @@ class RewardStack:
             if hasattr(scorer, "take_part_without_rows"):
                 scorer.take_part_without_rows()
 
-    def check_columns(self, names: set[str], source: str) -> None:
-        """One line naming a reward function that needs a column the rows of ``source`` lack."""
+    def check_columns(self, names: set[str], source: str, fields: set[str] | None = None) -> None:
+        """One line naming a reward function that needs a column the rows of ``source`` lack; ``fields``: the
+        rows' fields to name in it (the prompt column too), default ``names``."""
         for _, _, scorer in self.scorers:
             if hasattr(scorer, "check_columns"):
-                scorer.check_columns(names, f"the rows of {source}")
+                scorer.check_columns(names, f"the rows of {source}", fields)
 
     def columns_for(self, prompts: list) -> dict[str, list]:
         if callable(self._columns):

@@ -203,7 +203,7 @@ def test_a_reward_function_written_for_trl_is_called_by_keyword_with_trls_comple
                                                              columns=columns)
     assert result.scores == [1.0, 1.0]
     module = load_reward_function(f"{path}:accuracy").__globals__
-    assert module["seen"] == [([[{"role": "assistant", "content": " 4"}], "9"], ["4", "9"], ["prompts", "source"])]
+    assert module["seen"] == [([[{"role": "assistant", "content": " 4"}], "9"], ["4", "9"], ["prompts", "responses", "source"])]
     config = RewardConfig(components=[{"type": "function", "function": f"{path}:strict"}])
     result = RewardStack(config, torch.device("cpu")).score(["ab", "abc"], ["4", "8"], [True, True], [1, 1],
                                                              columns=columns)

@@ -1,0 +1,108 @@
+"""Which dataset columns a reward function cannot do without, and the line that says the rows lack them.
+
+One rule (``columns_required``) over a function's parameters, read from the imported function
+(``required_columns``: train, scoring) or from its file's source without running it
+(``declared_columns``: validate). A function is called ``fn(prompts, responses, **columns)``, so its
+columns are its parameters after the first two; a TRL-style function, one with a ``completions``
+parameter, is given everything by keyword, so its columns are its parameters but TRL's own names.
+Only parameters without a default count, never ``*args`` / ``**kwargs``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+from typing import Callable
+
+from ppo_cli.errors import RewardFunctionError
+
+# What TRL passes its reward functions besides the dataset's columns (trl GRPOTrainer._calculate_rewards),
+# and ppo_cli's own name for the completions' text; ppo_cli passes all but NOT_PASSED.
+TRL_ARGUMENTS = frozenset({"prompts", "completions", "responses", "completion_ids", "trainer_state"})
+NOT_PASSED = frozenset({"completion_ids", "trainer_state"})
+
+
+def is_trl_style(names) -> bool:
+    """A function written for TRL's GRPOTrainer: one of its parameters is named ``completions``."""
+    return "completions" in names
+
+
+def called_like_trl(fn: Callable) -> bool:
+    return is_trl_style(inspect.signature(fn).parameters)
+
+
+def columns_required(parameters: list[tuple[str, bool]]) -> set[str]:
+    """``parameters``: (name, required) in signature order, *args and **kwargs included as not required."""
+    if is_trl_style(name for name, _ in parameters):
+        return {name for name, required in parameters if required and name not in TRL_ARGUMENTS}
+    return {name for name, required in parameters[2:] if required}
+
+
+def required_parameters(fn: Callable) -> list[str]:
+    """``fn``'s parameters without a default, *args and **kwargs aside."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty and p.kind not in variadic]
+
+
+def required_columns(fn: Callable) -> set[str]:
+    """The columns the imported function ``fn`` cannot do without."""
+    required = set(required_parameters(fn))
+    return columns_required([(name, name in required) for name in inspect.signature(fn).parameters])
+
+
+def declared_columns(path: Path, name: str) -> set[str] | None:
+    """The columns the function ``name`` of the file ``path`` cannot do without, read, not run; None when
+    the source does not say: the file does not parse, or ``name`` is last bound at its top level by
+    something other than an undecorated ``def`` (an assignment, an import, a decorator that may change
+    the signature). Scoring checks those."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError, OSError):
+        return None
+    bound = [node for node in tree.body if name in _names_bound(node)]
+    function = bound[-1] if bound else None
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
+        return None
+    return columns_required(_parameters(function.args))
+
+
+def _names_bound(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {name for target in targets for name in _target_names(target)}
+
+
+def _target_names(target: ast.expr) -> set[str]:
+    """The names an assignment target binds: ``a``, ``a, b``, ``*a``; not ``a.x`` or ``a[0]``."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in _target_names(element)}
+    return _target_names(target.value) if isinstance(target, ast.Starred) else set()
+
+
+def _parameters(args: ast.arguments) -> list[tuple[str, bool]]:
+    """(name, required) in the order inspect.signature lists them."""
+    positional = args.posonlyargs + args.args
+    first_default = len(positional) - len(args.defaults)  # defaults belong to the last positional parameters
+    parameters = [(arg.arg, index < first_default) for index, arg in enumerate(positional)]
+    parameters += [(args.vararg.arg, False)] if args.vararg else []
+    parameters += [(arg.arg, default is None) for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
+    return parameters + ([(args.kwarg.arg, False)] if args.kwarg else [])
+
+
+def missing_columns_error(spec: str, missing: list[str], rows: str, fields: set[str]) -> RewardFunctionError:
+    """``rows``: which rows, e.g. "the rows of data/train.jsonl"; ``fields``: what they have (the prompt
+    column included where known: a missing column among them is the prompt's, which is not passed by name)."""
+    prompt_column = [name for name in missing if name in fields]
+    hint = (f"'{prompt_column[0]}' is the prompt column: the function gets it as its first argument (prompts)"
+            if prompt_column else "use a .jsonl or dataset whose rows carry them (each row's other fields are its columns)")
+    return RewardFunctionError(
+        f"reward function '{spec}' takes the column(s) {', '.join(missing)}, which {rows} do not have "
+        f"(they have: {', '.join(sorted(fields)) or 'none'})",
+        hint=hint,
+    )
