@@ -311,6 +311,20 @@ def test_lora_target_modules_the_policy_lacks_are_named_beside_its_linear_module
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("path, hint", [
+    ("models/tiny-tools/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
+    ("./models/tiny/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
+    ("mine/models/policy", "check the path (relative to the current directory)"),
+])
+def test_a_missing_tiny_model_says_how_to_build_it(path, hint, stub_models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["validate", Env(tmp_path, stub_models).recipe(_edit("policy.path", path))])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [f"error: model directory not found: {path}", f"hint: {hint}"]
+
+
 def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
     """Raising total_updates cannot help a run that wrote no checkpoints: the hint must not send the user
     in a circle, but to a new run that starts from final/."""
