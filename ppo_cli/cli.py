@@ -172,7 +172,7 @@ def train(
                      "--main_process_ip/--main_process_port, static rendezvous)."),
     ] = None,
 ) -> None:
-    """Train a policy with PPO as the recipe says; writes output_dir/name/."""
+    """Train a policy as the recipe says (PPO, or GRPO, RLOO or REINFORCE++ by ppo.advantage); writes output_dir/name/."""
     from ppo_cli.launch import machines_for
     from ppo_cli.recipe_loading import load_recipe
     from ppo_cli.resume import resume_command
@@ -350,11 +350,18 @@ def rollout(
 def score(
     rollouts: Annotated[Path, typer.Argument(metavar="ROLLOUTS", help="A JSONL file written by `ppo rollout`.", show_default=False)],
     out: Annotated[Optional[Path], typer.Option("--out", help="Output JSONL file. Default: ROLLOUTS with .scored.jsonl.", show_default=False)] = None,
-    recipe: RecipeOpt = None, run: RunOpt = None, overrides: OverridesOpt = None,
+    recipe: Annotated[Optional[Path], typer.Option(
+        "--recipe", help="Recipe whose reward scores the rows. Default: the recipe.yaml of --run, else of the run "
+        "whose model wrote ROLLOUTS, else of the most recently modified run under runs/.", show_default=False)] = None,
+    run: Annotated[Optional[Path], typer.Option(
+        "--run", help="Run directory whose recipe.yaml gives the reward (without --recipe).", show_default=False)] = None,
+    overrides: OverridesOpt = None,
 ) -> None:
     """Add reward and reward_components (penalties included) to every row, with the recipe's reward."""
+    from ppo_cli.commands.score import check_rollouts_file
     from ppo_cli.runs import check_output_path
 
+    check_rollouts_file(rollouts)
     out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
     if recipe is None and run is None:
         recipe = inputs.recipe_of_rollouts(rollouts, _note)
