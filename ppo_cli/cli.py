@@ -12,6 +12,7 @@ Importing this module must not import torch (tests/cli/test_cli.py checks): ``pp
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,7 +22,8 @@ from typer.core import TyperGroup
 
 from ppo_cli import __version__
 from ppo_cli.commands import inputs
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_STDOUT_CLOSED, PpoError, UsageError, first_line, print_error, stderr_console
+from ppo_cli.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_STDOUT_CLOSED, RESUME, RESUME_ENV, PpoError, UsageError,
+                            first_line, print_error, stderr_console)
 
 BUG_HINT = "run again with --debug for the traceback; this is a bug, please report it"
 
@@ -47,7 +49,7 @@ class _OneLineErrors(TyperGroup):
         except (Exception, KeyboardInterrupt) as err:
             if ctx.params.get("debug"):
                 raise
-            raise typer.Exit(report_error(err)) from None
+            raise typer.Exit(report_error(err, (ctx.obj or {}).get("resume"))) from None
 
 
 app = typer.Typer(
@@ -170,11 +172,19 @@ def train(
                      "--main_process_ip/--main_process_port, static rendezvous)."),
     ] = None,
 ) -> None:
-    """Train a policy with PPO as the recipe says; writes output_dir/name/."""
+    """Train a policy as the recipe says (PPO, or GRPO, RLOO or REINFORCE++ by ppo.advantage); writes output_dir/name/."""
     from ppo_cli.launch import machines_for
     from ppo_cli.recipe_loading import load_recipe
+    from ppo_cli.resume import resume_command
 
     resolved = load_recipe(recipe, overrides or ())
+    repeated = [*(["--merge"] if merge else []), *_given_options(
+        ("--num-processes", num_processes), ("--accelerate-config", accelerate_config), ("--num-machines", num_machines),
+        ("--machine-rank", machine_rank), ("--main-address", main_address))]
+    # What the hints saying "resume" print (errors.RESUME); a launched process gets its launcher's.
+    obj = ctx.find_root().obj
+    obj["resume"] = os.environ.get(RESUME_ENV) or resume_command(
+        resolved, recipe, overrides or (), repeated, resuming=resume is not None, force=force)
     if accelerate_config is not None and not accelerate_config.is_file():
         raise UsageError(f"accelerate config not found: {accelerate_config}",
                          hint="give a file written by `accelerate config` (or one of recipes/accelerate/)")
@@ -190,8 +200,8 @@ def train(
 
         # A config file keeps its own process count unless --num-processes says otherwise.
         launched = (num_processes or 1) if accelerate_config is not None else total
-        raise typer.Exit(launch_train(launched, ctx.find_root().obj["argv"], accelerate_config, machines,
-                                      resolved.train.collective_timeout_s))
+        raise typer.Exit(launch_train(launched, obj["argv"], accelerate_config, machines,
+                                      resolved.train.collective_timeout_s, resume=obj["resume"]))
     from ppo_cli import report
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
@@ -199,6 +209,11 @@ def train(
                        show=report.TrainScreen())
     if result.summary:  # the main process's; the others return none
         report.print_train_summary(result.summary)
+
+
+def _given_options(*options: tuple[str, object]) -> list[str]:
+    """``--option value`` for each option given (not None)."""
+    return [str(part) for name, value in options if value is not None for part in (name, value)]
 
 
 @app.command()
@@ -336,11 +351,18 @@ def rollout(
 def score(
     rollouts: Annotated[Path, typer.Argument(metavar="ROLLOUTS", help="A JSONL file written by `ppo rollout`.", show_default=False)],
     out: Annotated[Optional[Path], typer.Option("--out", help="Output JSONL file. Default: ROLLOUTS with .scored.jsonl.", show_default=False)] = None,
-    recipe: RecipeOpt = None, run: RunOpt = None, overrides: OverridesOpt = None,
+    recipe: Annotated[Optional[Path], typer.Option(
+        "--recipe", help="Recipe whose reward scores the rows. Default: the recipe.yaml of --run, else of the run "
+        "whose model wrote ROLLOUTS, else of the most recently modified run under runs/.", show_default=False)] = None,
+    run: Annotated[Optional[Path], typer.Option(
+        "--run", help="Run directory whose recipe.yaml gives the reward (without --recipe).", show_default=False)] = None,
+    overrides: OverridesOpt = None,
 ) -> None:
     """Add reward and reward_components (penalties included) to every row, with the recipe's reward."""
+    from ppo_cli.commands.score import check_rollouts_file
     from ppo_cli.runs import check_output_path
 
+    check_rollouts_file(rollouts)
     out = check_output_path(out or rollouts.with_name(rollouts.name.removesuffix(".jsonl") + ".scored.jsonl"))
     if recipe is None and run is None:
         recipe = inputs.recipe_of_rollouts(rollouts, _note)
@@ -416,10 +438,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(report_error(err))
 
 
-def report_error(err: BaseException) -> int:
-    """Print ``err`` as one line (+ hint) on stderr; return the exit code for it."""
+def report_error(err: BaseException, resume: str | None = None) -> int:
+    """Print ``err`` as one line (+ hint) on stderr; return the exit code for it. ``resume``: the `ppo train`
+    line that continues the run, for hints that say to resume (errors.RESUME)."""
     if isinstance(err, PpoError):
-        print_error(err.message, err.hint)
+        print_error(err.message, err.hint, resume)
         return err.exit_code
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")
@@ -432,7 +455,7 @@ def report_error(err: BaseException) -> int:
         print_error(f"out of memory: {first_line(err)}", "run `ppo plan RECIPE` to see what each role needs and what would fit")
         return EXIT_RUNTIME
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # e.g. appending to metrics.jsonl
-        print_error(f"disk full: {first_line(err)}", "free space on the output directory's disk, then resume (ppo train RECIPE --resume)")
+        print_error(f"disk full: {first_line(err)}", f"free space on the output directory's disk, then resume ({RESUME})", resume)
         return EXIT_RUNTIME
     print_error(f"unexpected {type(err).__name__}: {first_line(err)}", BUG_HINT)
     return EXIT_RUNTIME

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from ppo_cli.errors import PpoError, print_error
+from ppo_cli.errors import RESUME, PpoError, print_error
 from ppo_cli.launch import LAUNCHER_PID_ENV
 
 PHASES = ("loading", "rollout", "update", "evaluation", "checkpoint")
@@ -54,7 +54,7 @@ class CollectiveTimeout(PpoError):
         super().__init__(
             f"{what}; the last checkpoint is intact",
             hint="look for the process that stalled or died (killed for memory, a stuck device, a slow disk), then "
-                 "`ppo train RECIPE --resume`; if that phase legitimately takes longer, raise train.collective_timeout_s",
+                 f"`{RESUME}`; if that phase legitimately takes longer, raise train.collective_timeout_s",
         )
 
 
@@ -99,7 +99,7 @@ def end_with_launcher(launcher: int, poll_s: float = 1.0, on_gone=None) -> threa
     def leave() -> None:
         print_error(f"this machine's launcher (pid {launcher}) ended, so its process {os.environ.get('RANK', '?')} "
                     "stops too", hint="the other machines' processes stop at their next collective; "
-                    "`ppo train RECIPE --resume` on every machine continues from the last checkpoint")
+                    f"`{RESUME}` on every machine continues from the last checkpoint")
         sys.stderr.flush()
         os._exit(1)
 

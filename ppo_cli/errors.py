@@ -7,6 +7,8 @@ with ``--debug``.
 
 from __future__ import annotations
 
+import os
+
 # Exit codes (documented in docs/errors.md; tests/test_docs.py checks its table).
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # a failure while running: model load, training diverged, I/O
@@ -14,6 +16,12 @@ EXIT_USAGE = 2  # bad usage, recipe, override, prompts file or model reference
 EXIT_DOES_NOT_FIT = 3  # `ppo plan`: the recipe does not fit the memory budget (--gpu-memory or the local GPU)
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
 EXIT_STDOUT_CLOSED = 141  # the reader of stdout went away (`ppo ... | head`): 128 + SIGPIPE, as a shell reports
+
+# How a hint says "continue the run from its last checkpoint". Printed, it becomes the command of the run
+# at hand (resume.resume_command): `ppo train` passes it to print_error, and to the processes a launch
+# starts (they see the command line less the launcher's options) in RESUME_ENV.
+RESUME = "ppo train RECIPE --resume"
+RESUME_ENV = "PPO_RESUME_COMMAND"
 
 
 class PpoError(Exception):
@@ -99,16 +107,22 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     return text.splitlines()[0][:limit] if text else type(err).__name__
 
 
-def print_error(message: str, hint: str | None = None) -> None:
+def with_resume_command(hint: str, resume: str | None = None) -> str:
+    """``hint`` with RESUME replaced by ``resume``, else by RESUME_ENV's command when set."""
+    resume = resume or os.environ.get(RESUME_ENV)
+    return hint.replace(RESUME, resume) if resume else hint
+
+
+def print_error(message: str, hint: str | None = None, resume: str | None = None) -> None:
     """``error: <message>`` and ``hint: <hint>`` on stderr: how every process (the CLI, the launcher,
-    the collective watchdog) shows a PpoError."""
+    the collective watchdog) shows a PpoError. ``resume``: the run's resume command (with_resume_command)."""
     from rich.text import Text
 
     console = stderr_console()
     # Text, not a markup string: messages quote user input such as '[bold]' or '[/]'.
     console.print(Text.assemble(("error:", "bold red"), " ", message))
     if hint:
-        console.print(Text.assemble(("hint:", "bold"), " ", hint))
+        console.print(Text.assemble(("hint:", "bold"), " ", with_resume_command(hint, resume)))
 
 
 def stderr_console():  # type: ignore[no-untyped-def]

@@ -250,10 +250,10 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
         rows = [row for part, _ in parts for row in part]
         failures = [f for _, part in parts for f in part]
     if rows and all(r["reward"] is None for r in rows):
-        from ppo_cli.errors import RewardServerError
+        from ppo_cli.errors import RESUME, RewardServerError
 
         raise RewardServerError(f"no held-out prompt got a reward: {failures[0] if failures else 'every reward failed'}",
-                                hint="check that the reward server or judge answers; checkpoints written so far are intact (--resume)")
+                                hint=f"check that the reward server or judge answers; checkpoints written so far are intact ({RESUME})")
     summary = summarize_rows(rows)
     return {
         HELD_OUT_SCORE: summary["reward"]["mean"], HELD_OUT_REWARD_FAILED: summary["reward_failed"],

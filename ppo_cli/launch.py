@@ -159,10 +159,13 @@ def launch_command(num_processes: int, ppo_args: list[str], config_file=None, ma
 
 
 def launch_train(num_processes: int, argv: list[str], config_file=None, machines: Machines = Machines(),
-                 timeout_s: int | None = None) -> NoReturn:
+                 timeout_s: int | None = None, resume: str | None = None) -> NoReturn:
     """Become the launcher, the user's ``argv`` forwarded: the process the user (or SLURM) started is the
-    one that launches, so killing it kills the launcher and its exit code is the launcher's."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    one that launches, so killing it kills the launcher and its exit code is the launcher's. ``resume``:
+    the user's command to resume the run, for the hints of the launcher and its processes (errors.RESUME)."""
+    from ppo_cli.errors import RESUME_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({RESUME_ENV: resume} if resume else {})}
     command = launch_command(num_processes, forwarded_args(argv), config_file, machines, timeout_s)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -224,7 +227,7 @@ def quiet_launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)
-    from ppo_cli.errors import print_error
+    from ppo_cli.errors import RESUME, print_error
 
     quiet = logging.getLogger("torch.distributed.elastic")
     quiet.addHandler(logging.NullHandler())
@@ -253,7 +256,7 @@ def quiet_launch(argv: list[str]) -> int:
     if missed.missed:
         _print_warning(f"this machine's processes finished, but another machine's launcher did not report its end "
                        f"within {timeout_s or 300} s (killed, or its machine went down)",
-                       hint="the run is complete if its final/ was written; if not, `ppo train RECIPE --resume` on "
+                       hint=f"the run is complete if its final/ was written; if not, `{RESUME}` on "
                             "every machine continues from the last checkpoint")
     return 0
 
@@ -283,11 +286,11 @@ def _restore_env(name: str, value: str | None) -> None:
 def _print_warning(message: str, hint: str) -> None:
     from rich.text import Text
 
-    from ppo_cli.errors import stderr_console
+    from ppo_cli.errors import stderr_console, with_resume_command
 
     console = stderr_console()
     console.print(Text.assemble(("warning:", "bold yellow"), " ", message))
-    console.print(Text.assemble(("hint:", "bold"), " ", hint))
+    console.print(Text.assemble(("hint:", "bold"), " ", with_resume_command(hint)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,18 @@ def looks_like_local_path(ref: str) -> bool:
     return ref.startswith((".", "/", "~")) or ref.endswith("/") or ref.count("/") > 1 or "\\" in ref
 
 
+TINY_MODELS_HINT = ("build the tiny models: python scripts/make_tiny_models.py, from the repository root (it writes "
+                    "models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)")
+
+
+def missing_directory_hint(path: str) -> str:
+    """How to get a model directory that is not there: the shipped recipes' models/tiny*/ are built."""
+    parts = Path(path).parts
+    if len(parts) >= 2 and parts[0] == "models" and parts[1].startswith("tiny"):
+        return TINY_MODELS_HINT
+    return "check the path (relative to the current directory)"
+
+
 def is_gguf(path: str) -> bool:
     """A model given as a single GGUF file (llama.cpp's format), loaded dequantized by transformers."""
     return str(path).lower().endswith(".gguf")
@@ -69,7 +81,7 @@ def check_model_reference(path: str) -> None:
             )
         return
     if looks_like_local_path(path):
-        raise ModelReferenceError(f"model directory not found: {path}", hint="check the path (relative to the current directory)")
+        raise ModelReferenceError(f"model directory not found: {path}", hint=missing_directory_hint(path))
     if hub_offline():
         if _in_hub_cache(path):
             return  # downloaded before: transformers loads it from the cache
@@ -345,7 +357,7 @@ def resolve_model_reference(ref: str, run_dir: str | Path | None = None, *, outp
     if path.exists():
         raise ModelReferenceError(f"model reference {ref} is a file, not a model directory", hint=MODEL_REFERENCE_HINT)
     if looks_like_local_path(ref):
-        raise ModelReferenceError(f"model directory not found: {ref}", hint="check the path (relative to the current directory)")
+        raise ModelReferenceError(f"model directory not found: {ref}", hint=missing_directory_hint(ref))
     close = difflib.get_close_matches(ref, MODEL_ALIASES, n=1, cutoff=0.6)
     if close or not HUB_ID.match(ref):
         hint = f"did you mean '{close[0]}'? " if close else ""

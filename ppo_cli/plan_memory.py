@@ -109,6 +109,7 @@ class ModelShape:
     # causal LMs: positions per chunk of the chunked log-probs (engine/logprobs.py); None: the model's
     # own logits, whole (a class not in HEAD_STEPS, or not a causal LM)
     logits_chunk: int | None = None
+    module_names: tuple[str, ...] = ()  # every module of the model, as peft names them (lm_head included)
 
     @property
     def linear_params(self) -> int:
@@ -121,6 +122,16 @@ class ModelShape:
             return []
         targets = None if lora.target_modules == "all-linear" else set(lora.target_modules)
         return [l for l in self.linears if targets is None or l.name.rsplit(".", 1)[-1] in targets or l.name in targets]
+
+    @property
+    def linear_names(self) -> list[str]:
+        """The linear layers' short names (q_proj, ...) in order: what LoRA's all-linear adapts."""
+        return list(dict.fromkeys(l.name.rsplit(".", 1)[-1] for l in self.linears))
+
+    def unmatched_targets(self, targets: list[str]) -> list[str]:
+        """The names in a LoRA's target_modules that match no module as peft matches them: a module's
+        name, or the end of it after a dot (peft's check_target_module_exists)."""
+        return [t for t in targets if not any(name == t or name.endswith("." + t) for name in self.module_names)]
 
     def lora_params(self, lora: LoraConfig | None) -> int:
         return sum(lora.r * (l.in_features + l.out_features) for l in self.adapted(lora))
@@ -186,6 +197,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
         logits_chunk=logits_chunk,
+        module_names=tuple(name for name, _ in model.named_modules()),
     )
 
 

@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ppo_cli.errors import CheckpointError, PpoError, first_line
+from ppo_cli.errors import RESUME, CheckpointError, PpoError, first_line
 
 _ALLOCATOR_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate")
 
@@ -124,7 +124,7 @@ def disk_space_for(target: Path, keeps: str):
             free = shutil.disk_usage(nearest_existing(target.parent)).free
             raise CheckpointError(
                 f"disk full while writing {target} ({free / 2**20:.1f} MB free); {keeps}",
-                hint=f"free space on {target.parent} (or lower train.keep_checkpoints), then `ppo train RECIPE --resume`",
+                hint=f"free space on {target.parent} (or lower train.keep_checkpoints), then `{RESUME}`",
             ) from err
         if why == _TOO_LARGE:
             limit = _file_size_limit()
@@ -132,6 +132,6 @@ def disk_space_for(target: Path, keeps: str):
             raise CheckpointError(
                 f"file too large while writing {target}: over {cause}; {keeps}",
                 hint="raise the limit (ulimit -f unlimited) or set output_dir on another file system, then "
-                     "`ppo train RECIPE --resume`",
+                     f"`{RESUME}`",
             ) from err
         raise

@@ -7,7 +7,9 @@ Every check reads files only, so `ppo train --resume` refuses a bad resume befor
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
+from typing import Sequence
 
 from ppo_cli.errors import CheckpointError, UsageError
 from ppo_cli.metric_names import STEP
@@ -40,6 +42,19 @@ def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
         for key in keys
         if old_flat.get(key) != new_flat.get(key) and not key.startswith(RESUMABLE_CHANGES)
     ]
+
+
+def resume_command(recipe: Recipe, recipe_path: Path | str, overrides: Sequence[str] = (), options: Sequence[str] = (),
+                   resuming: bool = False, force: bool = False) -> str:
+    """The `ppo train` line that continues this run from its latest checkpoint, for the hints that say so
+    (errors.RESUME). A run started with --set overrides: its saved recipe, which holds them (the recipe
+    file alone would name another run, or differ from the saved one). A command that resumed: itself,
+    which was accepted once already (--set may have changed train.total_updates, --force more). ``options``:
+    the other `ppo train` options to repeat (--merge, the launcher's)."""
+    if overrides and not resuming:
+        recipe_path, overrides = RunDir(recipe.run_dir).recipe, ()
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return shlex.join(["ppo", "train", str(recipe_path), *sets, *options, "--resume", *(["--force"] if force else [])])
 
 
 def find_resume_checkpoint(recipe: Recipe, resume: str, force: bool) -> Path:

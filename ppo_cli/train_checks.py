@@ -46,7 +46,7 @@ def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollo
     """Stop when no episode of the update has a reward (on any process): nothing to learn from, and
     the server or judge that failed is named. Critic-free estimators compare a completion with its
     group, so a group with one episode unscored leaves the update whole."""
-    from ppo_cli.errors import RewardServerError
+    from ppo_cli.errors import RESUME, RewardServerError
 
     if rollout.scored is None:
         return rollout
@@ -58,6 +58,5 @@ def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollo
     failures = [f for part in state.dist.gather_objects(rollout.reward_failures or {}) for f in part.values() if f]
     raise RewardServerError(
         f"update {state.step + 1}: no completion got a reward: {failures[0] if failures else 'every group had a failure'}",
-        hint="the checkpoints written so far are intact; once the reward answers again, continue with "
-             "ppo train RECIPE --resume",
+        hint=f"the checkpoints written so far are intact; once the reward answers again, continue with {RESUME}",
     )

@@ -25,6 +25,16 @@ class ScoreRunResult:
     failed: int = 0  # rows without a reward (a component failed to score them)
 
 
+ROLLOUTS_HINT = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
+MISSING_HINT = "give a file written by `ppo rollout MODEL --out FILE`"
+
+
+def check_rollouts_file(path: Path) -> None:
+    """A missing rollouts file, said before any recipe is looked for (the latest run's would be named for nothing)."""
+    if not Path(path).exists():
+        raise DataError(f"rollouts file not found: {path}", hint=MISSING_HINT)
+
+
 def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
     """Rows of a rollouts JSONL file, each checked for the fields the recipe's reward needs."""
     path = Path(path)
@@ -34,8 +44,7 @@ def read_rollouts(path: Path, recipe: Recipe) -> list[dict]:
     if recipe.reward.max_response_tokens is not None or recipe.reward.overlong_buffer > 0:
         needed["response_tokens"] = int  # reward.max_response_tokens and reward.overlong_buffer read it
     rows = []
-    hint = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
-    for lineno, row in read_jsonl_objects(path, "rollouts file", hint):
+    for lineno, row in read_jsonl_objects(path, "rollouts file", ROLLOUTS_HINT, MISSING_HINT):
         for name, kind in needed.items():
             if name not in row:
                 raise DataError(f"{path}:{lineno}: no '{name}' field (fields: {', '.join(sorted(row)) or 'none'})",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ppo_cli.errors import Interrupted, PpoError, UsageError
+from ppo_cli.errors import RESUME, Interrupted, PpoError, UsageError
 from ppo_cli.metric_names import STEP
 from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import dump_resolved
@@ -121,7 +121,7 @@ def _write_samples(writer, recipe: Recipe, step: int, rollout) -> None:
         })
 
 
-def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path, show: Show):
+def _train_loop(state, run_dir, stop: StopOnSignal, show: Show):
     """Updates until the end; metrics, samples, health warnings and progress from the main process only.
     Returns the main process's RunObserver (None elsewhere)."""
     from ppo_cli.checkpoint import save_checkpoint
@@ -156,7 +156,7 @@ def _train_loop(state, run_dir, stop: StopOnSignal, recipe_path, show: Show):
             if stopping and not last:
                 raise Interrupted(
                     f"interrupted after update {state.step}; checkpoint saved",
-                    hint=f"resume with: ppo train {recipe_path or 'RECIPE'} --resume",
+                    hint=f"resume with: {RESUME}",
                 )
     finally:
         if main:
@@ -383,7 +383,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
               phase_peak(dist.device, phase_peaks, "evaluation before")):
             before = _evaluate_before(engine, eval_prompts, run_dir, recipe, dist)
         with StopOnSignal() as stop:
-            observer = _train_loop(state, run_dir, stop, recipe_path, show)
+            observer = _train_loop(state, run_dir, stop, show)
     except BaseException as err:
         engine.sampler.close()  # a vLLM server's adapter directory goes before the run's files are taken back
         if footprint is not None and state.step == 0:

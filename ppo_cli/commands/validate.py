@@ -1,4 +1,5 @@
-"""`ppo validate`: the resolved recipe, the sizes derived from it, and the files it names. Imports no torch."""
+"""`ppo validate`: the resolved recipe, the sizes derived from it, and the files it names. Imports no torch
+unless a LoRA lists its target_modules (check_lora_targets)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,29 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     # an episode's transcript is a column too, with an environment (Engine.episode_columns)
     given = {"messages"} if recipe.environment is not None else set()
     check_reward_columns(recipe.reward, rows, given, import_functions=import_functions)
+    check_lora_targets(recipe)
     return prompts, eval_prompts
+
+
+def check_lora_targets(recipe: Recipe) -> None:
+    """Every module a LoRA's target_modules lists is in the policy (peft fails on none found, and adapts
+    fewer layers than asked when some are), read from a meta-device model of its config: no weights. The
+    value adapter sits on the policy's base too."""
+    from ppo_cli.errors import RecipeError
+
+    loras = [("policy.lora", recipe.policy.lora)] + ([("value.lora", recipe.value.lora)] if value_kind(recipe) == "adapter" else [])
+    listed = [(key, lora.target_modules) for key, lora in loras if lora is not None and lora.target_modules != "all-linear"]
+    if not listed:
+        return
+    from ppo_cli.plan_memory import describe_model  # imports torch
+
+    pol = recipe.policy
+    shape = describe_model(pol.path, "causal_lm", trust_remote_code=pol.trust_remote_code, revision=pol.revision)
+    for key, targets in listed:
+        if missing := shape.unmatched_targets(targets):
+            raise RecipeError(f"{key}.target_modules: {', '.join(missing)} not found in {pol.path}; its linear modules "
+                              f"are {', '.join(shape.linear_names)}",
+                              hint=f"set {key}.target_modules to some of them, or to all-linear")
 
 
 def run(recipe: Recipe, check_files: bool = True) -> ValidateResult:

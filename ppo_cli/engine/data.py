@@ -57,16 +57,21 @@ def read_text(path: Path, what: str = "prompts file", hint: str | None = None) -
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
 
 
-def read_jsonl_objects(path: Path, what: str = "prompts file", hint: str | None = None) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a line that is not a JSON object is an error."""
+JSONL_HINT = "each line of a .jsonl file must be one JSON object"
+
+
+def read_jsonl_objects(path: Path, what: str = "prompts file", hint: str = JSONL_HINT,
+                       missing_hint: str | None = None) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a line that is not a JSON object is an error
+    (``hint``: how the file's lines should be; ``missing_hint``: where the file comes from)."""
     rows = []
-    for lineno, line in enumerate(read_text(path, what).splitlines(), start=1):
+    for lineno, line in enumerate(read_text(path, what, missing_hint).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})", hint=hint) from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}", hint=hint)
         rows.append((lineno, row))

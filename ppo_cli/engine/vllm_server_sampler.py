@@ -34,7 +34,7 @@ import torch
 from ppo_cli.engine.rewards.remote import Policy, RemoteFailure, Secrets, gather_bounded, new_client, request_json
 from ppo_cli.engine.sampler import Sampled, trimmed, with_budget
 from ppo_cli.engine.vllm_sampler import build_generation, group_size, sampling_kwargs
-from ppo_cli.errors import SamplerServerError, UsageError
+from ppo_cli.errors import RESUME, SamplerServerError, UsageError
 from ppo_cli.recipe import GenerationConfig, Recipe
 
 ADAPTER_DIR_NAME = "server_adapters"  # under the run directory unless generation.server_adapter_dir says where
@@ -44,7 +44,7 @@ CLOSING = Policy(timeout_s=5.0, retries=0, retry_backoff_s=0.0, max_concurrency=
 PROBE = Policy(timeout_s=10.0, retries=0, retry_backoff_s=0.0, max_concurrency=1)  # before anything loads
 START_HINT = ("start the server as docs/vllm.md shows (vllm serve MODEL --enable-lora ..., with "
               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) or fix generation.server_url")
-SERVER_HINT = START_HINT + "; then run again (a training run goes on from its last checkpoint: ppo train RECIPE --resume latest)"
+SERVER_HINT = START_HINT + f"; then run again (a training run goes on from its last checkpoint: {RESUME})"
 ONE_PROCESS_ONLY = ("generation.backend 'vllm_server' is supported with one training process only",
                     "train with one process (no --num-processes / accelerate launch), or set generation.backend: hf")
 

@@ -178,6 +178,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("adapter-dir-missing", lambda e: ["train", e.recipe()] + _set(f"policy.adapter={e.tmp / 'no-adapter'}"), "policy.adapter: model directory not found"),
     ("adapter-dir-is-a-model", lambda e: ["validate", e.recipe()] + _set(f"policy.adapter={e.models / 'policy'}"), "no adapter_config.json here, so it is not a peft adapter"),
     ("adapter-hub-id-offline", lambda e: ["validate", e.recipe()] + _set("policy.adapter=someone/sft-adapter"), "policy.adapter: model 'someone/sft-adapter' is not a local directory"),
+    ("lora-target-not-in-the-model", lambda e: ["train", e.recipe()] + _set("policy.lora.target_modules=[foo_proj]"), "policy.lora.target_modules: foo_proj not found in"),
     ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "model directory not found"),
     ("reward-labels-unknown", lambda e: ["train", e.recipe(_edit("reward.components.0.labels", {"happy": 1.0}))], "has no label(s) happy"),
     # --- reward functions ---
@@ -311,6 +312,40 @@ def test_a_run_failing_in_its_first_update_takes_back_only_what_it_wrote(existin
     assert [line for line in result.output.splitlines() if line.startswith("error:")] == [
         f"error: reward function '{tmp_path / 'fn.py'}:reward' raised ValueError: broken reward"], result.output
     assert _snapshot(tmp_path) == before  # recipe.yaml, metrics.jsonl, runs/ itself: all gone again
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+@pytest.mark.parametrize("key, override", [
+    ("policy.lora", "policy.lora.target_modules=[foo_proj, q_proj]"),
+    ("value.lora", "value.lora={target_modules: [v_proj, bar, 'self_attn.o_proj']}"),  # the value adapter's own
+])
+def test_lora_target_modules_the_policy_lacks_are_named_beside_its_linear_modules(command, key, override, stub_models,
+                                                                                   tmp_path, monkeypatch):
+    """Read from the config on the meta device (the stub models have no weights), before any model loads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = "foo_proj" if key == "policy.lora" else "bar"
+    result = runner.invoke(app, [command, Env(tmp_path, stub_models).recipe(), "--set", "name=tm", "--set", override])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {key}.target_modules: {missing} not found in {stub_models / 'policy'}; its linear modules are q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+        f"hint: set {key}.target_modules to some of them, or to all-linear",
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path, hint", [
+    ("models/tiny-tools/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
+    ("./models/tiny/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
+    ("mine/models/policy", "check the path (relative to the current directory)"),
+])
+def test_a_missing_tiny_model_says_how_to_build_it(path, hint, stub_models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["validate", Env(tmp_path, stub_models).recipe(_edit("policy.path", path))])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [f"error: model directory not found: {path}", f"hint: {hint}"]
 
 
 def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ppo_cli import __version__, report
 from ppo_cli.cli import BUG_HINT, app, main
-from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, UsageError
+from ppo_cli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, RESUME, RESUME_ENV, Interrupted, UsageError
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -309,6 +309,48 @@ def test_train_ppo_error_keeps_its_exit_code_and_hint(monkeypatch, fake_train):
     assert result.stderr.splitlines() == ["error: runs/minimal exists", "hint: pass --overwrite or change name"]
 
 
+
+def _interrupted(monkeypatch) -> None:
+    """ppo_cli.commands.train's run stopped by Ctrl-C, with the hint it raises (errors.RESUME in it)."""
+    def stop(recipe, **kwargs):
+        raise Interrupted("interrupted after update 4; checkpoint saved", hint=f"resume with: {RESUME}")
+
+    monkeypatch.setattr(sys.modules["ppo_cli.commands.train"], "run", stop)
+
+
+@pytest.mark.parametrize("args, command", [
+    # --set overrides: the run's saved recipe holds them (the recipe file names another run, or differs)
+    (["--set", "name=ci", "--set", "ppo.rollout_batch_size=16", "--overwrite"], "ppo train runs/ci/recipe.yaml --resume"),
+    (["--set", "ppo.kl_coef=0.1", "--merge"], "ppo train runs/minimal/recipe.yaml --merge --resume"),
+    # none: the command as given
+    ([], f"ppo train {MINIMAL} --resume"),
+    # a command that resumed was accepted once: itself (its --set may extend the run, --force more)
+    (["--set", "train.total_updates=8", "--resume", "runs/minimal/checkpoints/step-000002"],
+     f"ppo train {MINIMAL} --set train.total_updates=8 --resume"),
+    (["--set", "seed=4", "--resume", "latest", "--force"], f"ppo train {MINIMAL} --set seed=4 --resume --force"),
+])
+def test_a_resume_hint_gives_a_command_that_resumes_this_run(monkeypatch, fake_train, args, command):
+    _interrupted(monkeypatch)
+    result = invoke("train", MINIMAL, *args)
+    assert result.exit_code == EXIT_INTERRUPTED
+    assert result.stderr.splitlines() == ["error: interrupted after update 4; checkpoint saved",
+                                          f"hint: resume with: {command}"]
+
+
+def test_a_resume_hint_keeps_the_launchers_options_and_reaches_the_launched_processes(monkeypatch, fake_train):
+    import ppo_cli.launch
+
+    launched = {}
+    monkeypatch.setattr(ppo_cli.launch, "launch_train", lambda *args, resume=None, **kwargs: launched.update(resume=resume) or 0)
+    result = invoke("train", MINIMAL, "--set", "name=ci", "--num-processes", "2", "--set", "seed=2")
+    assert result.exit_code == 0, result.output
+    assert launched["resume"] == "ppo train runs/ci/recipe.yaml --num-processes 2 --resume"
+    # A launched process sees the command line less --num-processes; its hints print the launcher's command.
+    monkeypatch.setenv(RESUME_ENV, launched["resume"])
+    _interrupted(monkeypatch)
+    result = invoke("train", MINIMAL, "--set", "name=ci", "--set", "seed=2")
+    assert result.stderr.splitlines()[1] == "hint: resume with: ppo train runs/ci/recipe.yaml --num-processes 2 --resume"
+
 # --- unexpected errors, Ctrl-C and --debug ---------------------------------------------------------
 
 
@@ -411,7 +453,7 @@ def test_ppo_train_forwards_options_it_does_not_know_about(monkeypatch, tmp_path
 
     launched = {}
 
-    def fake_launch(num_processes, argv, config_file=None, machines=ppo_cli.launch.Machines(), timeout_s=None):
+    def fake_launch(num_processes, argv, config_file=None, machines=ppo_cli.launch.Machines(), timeout_s=None, resume=None):
         launched.update(num_processes=num_processes, command=ppo_cli.launch.launch_command(
             num_processes, ppo_cli.launch.forwarded_args(argv), config_file, machines, timeout_s))
         return 0

@@ -29,7 +29,7 @@ def launched(monkeypatch) -> dict:
     """What `ppo train` would launch: the accelerate command and the process count (nothing runs)."""
     seen: dict = {}
 
-    def fake_launch(num_processes, argv, config_file=None, machines=Machines(), timeout_s=None):
+    def fake_launch(num_processes, argv, config_file=None, machines=Machines(), timeout_s=None, resume=None):
         seen.update(num_processes=num_processes, machines=machines, command=launch_command(
             num_processes, ppo_cli.launch.forwarded_args(argv), config_file, machines, timeout_s))
         return 0

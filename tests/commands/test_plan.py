@@ -75,6 +75,25 @@ def test_meta_device_parameter_counts_match_hand_counts(model_dir):
     assert classifier.total_params == TOTAL + 16 * classifier_labels(model_dir)
 
 
+def test_lora_targets_match_as_peft_matches_them(model_dir):
+    """A module's name or its end after a dot, any module (lm_head, the embeddings); all-linear's list leaves
+    lm_head out, as peft does."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = describe_model(str(model_dir), "causal_lm")
+    assert shape.linear_names == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    found = ["q_proj", "self_attn.o_proj", "lm_head", "embed_tokens", "model.layers.1.mlp.up_proj"]
+    assert shape.unmatched_targets([*found, "proj", "foo_proj", "attn.q_proj"]) == ["proj", "foo_proj", "attn.q_proj"]
+    config = AutoConfig.from_pretrained(model_dir)
+    for target in found:  # peft finds each alone
+        get_peft_model(AutoModelForCausalLM.from_config(config), PeftLoraConfig(r=2, target_modules=[target]))
+    for target in ("proj", "attn.q_proj"):  # and none of these
+        with pytest.raises(ValueError, match="not found in the base model"):
+            get_peft_model(AutoModelForCausalLM.from_config(config), PeftLoraConfig(r=2, target_modules=[target]))
+
+
 def classifier_labels(model_dir) -> int:
     from transformers import AutoConfig
 

@@ -22,3 +22,44 @@ def test_the_overlong_penalty_needs_each_rows_response_tokens(tmp_path):
     with pytest.raises(DataError) as err:
         read_rollouts(rows, shaped)
     assert err.value.message == f"{rows}:1: no 'response_tokens' field (fields: finished, prompt, response)"
+
+
+def test_a_missing_rollouts_file_is_said_before_any_run_is_named(tmp_path, monkeypatch):
+    """No 'recipe: runs/<the latest run>/recipe.yaml' line first: that run has nothing to do with the file."""
+    from typer.testing import CliRunner
+
+    from ppo_cli.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["score", "nope.jsonl"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["error: rollouts file not found: nope.jsonl",
+                                          "hint: give a file written by `ppo rollout MODEL --out FILE`"]
+
+
+@pytest.mark.parametrize("what, hint", [
+    ("rollouts", "a rollouts file has one JSON object per line, as `ppo rollout` writes"),
+    ("prompts", "each line of a .jsonl file must be one JSON object"),
+])
+def test_a_line_that_is_not_json_has_a_hint(tmp_path, what, hint):
+    from ppo_cli.engine.data import read_recipe_prompts
+
+    rows = tmp_path / "bad.jsonl"
+    rows.write_text(json.dumps({"prompt": "p", "response": "r", "finished": True}) + "\n{\"prompt\": \n")
+    recipe = load_recipe(ROOT / "recipes" / "tiny_grpo.yaml", tiny_overrides(tmp_path, tmp_path, **{"data.prompts": rows}))
+    with pytest.raises(DataError) as err:
+        read_rollouts(rows, recipe) if what == "rollouts" else read_recipe_prompts(recipe.data)
+    assert (err.value.message, err.value.hint) == (f"{rows}:2: not valid JSON (Expecting value)", hint)
+
+
+def test_the_help_says_what_score_and_train_do():
+    from typer.testing import CliRunner
+
+    from ppo_cli.cli import app
+
+    def words(command: str) -> str:  # the help's text, its table's borders and line breaks left out
+        return " ".join(CliRunner().invoke(app, [command, "--help"]).stdout.replace("│", " ").split())
+
+    assert "--run <path> Run directory whose recipe.yaml gives the reward (without --recipe)." in words("score")
+    assert "base/aligned" not in words("score") and "model's run" not in words("score")
+    assert "(PPO, or GRPO, RLOO or REINFORCE++ by ppo.advantage)" in words("train")

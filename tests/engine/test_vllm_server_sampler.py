@@ -178,7 +178,7 @@ def test_an_error_answer_is_retried_then_one_line(server, saved_adapters, tmp_pa
     assert str(info.value) == (f"vLLM server failed while sampling: {server.url}/v1/completions: HTTP 500 "
                                "'{\"error\": {\"message\": \"engine is dead\", \"code\": 500}}' (2 attempts)")
     assert server.paths().count("/v1/completions") == 2  # server_retries 1
-    assert "--resume latest" in info.value.hint
+    assert "ppo train RECIPE --resume)" in info.value.hint  # the run's own command when printed (errors.RESUME)
 
 
 def test_a_refused_adapter_is_one_line_with_vllms_reason(server, saved_adapters, tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,12 +86,16 @@ def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_pat
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 130, stderr
-    assert "checkpoint saved" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    assert "Traceback" not in stderr
+    # The run was started with --set overrides: the hint resumes it from its saved recipe, which holds them.
+    assert stderr.splitlines()[-1] == f"hint: resume with: ppo train {run / 'recipe.yaml'} --resume"
+    assert stderr.splitlines()[-2].startswith("error: interrupted after update ") and "checkpoint saved" in stderr
     saved = sorted((run / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and (saved[0] / "manifest.json").exists()
-    resumed = subprocess.run(_cmd(tiny_models, tmp_path, "--resume", **{"train.save_every": 0}),
-                             env=_env(), capture_output=True, text=True)
+    ppo, *hinted = shlex.split(stderr.splitlines()[-1].removeprefix("hint: resume with: "))
+    resumed = subprocess.run([sys.executable, "-m", "ppo_cli", *hinted], env=_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
     _assert_same_metrics(_metrics(run), uninterrupted)
 
 
