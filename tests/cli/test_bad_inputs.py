@@ -170,7 +170,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("prompts-conversations-with-prompt-and-response-reward", lambda e: ["train", e.recipe(_both(_edit("reward.components.0.text", "prompt_and_response"), _edit("data.prompts", e.file("p.jsonl", CONVERSATION_ROW))))], "reads text: prompt_and_response, but the prompts are conversations"),
     ("eval-prompts-missing", lambda e: ["train", e.recipe(_edit("data.eval_prompts", str(e.tmp / "none.txt")))], "prompts file not found"),
     # --- model paths ---
-    ("policy-dir-missing", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp / "no-model")))], "model directory not found"),
+    ("policy-dir-missing", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp / "no-model")))], "policy.path: model directory not found"),
     ("policy-path-is-file", lambda e: ["train", e.recipe(_edit("policy.path", e.file("model.bin", "x")))], "is a file"),
     ("policy-dir-without-config", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp)))], "no config.json"),
     ("policy-hub-id-offline", lambda e: ["train", e.recipe(_edit("policy.path", "Qwen/Qwen2.5-1.5B"))], "hub is offline"),
@@ -179,7 +179,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("adapter-dir-is-a-model", lambda e: ["validate", e.recipe()] + _set(f"policy.adapter={e.models / 'policy'}"), "no adapter_config.json here, so it is not a peft adapter"),
     ("adapter-hub-id-offline", lambda e: ["validate", e.recipe()] + _set("policy.adapter=someone/sft-adapter"), "policy.adapter: model 'someone/sft-adapter' is not a local directory"),
     ("lora-target-not-in-the-model", lambda e: ["train", e.recipe()] + _set("policy.lora.target_modules=[foo_proj]"), "policy.lora.target_modules: foo_proj not found in"),
-    ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "model directory not found"),
+    ("reward-model-missing", lambda e: ["train", e.recipe(_edit("reward.components.0.path", str(e.tmp / "no-rm")))], "reward.components.0.path: model directory not found"),
     ("reward-labels-unknown", lambda e: ["train", e.recipe(_edit("reward.components.0.labels", {"happy": 1.0}))], "has no label(s) happy"),
     # --- reward functions ---
     ("function-file-missing", lambda e: ["train", e.recipe()] + _set(f"reward.components=[{{type: function, function: '{e.tmp}/none.py:reward'}}]"), "reward function file not found"),
@@ -345,7 +345,7 @@ def test_a_missing_tiny_model_says_how_to_build_it(path, hint, stub_models, tmp_
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["validate", Env(tmp_path, stub_models).recipe(_edit("policy.path", path))])
     assert result.exit_code == EXIT_USAGE, result.output
-    assert result.stderr.splitlines() == [f"error: model directory not found: {path}", f"hint: {hint}"]
+    assert result.stderr.splitlines() == [f"error: policy.path: model directory not found: {path}", f"hint: {hint}"]
 
 
 def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):

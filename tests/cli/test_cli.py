@@ -115,7 +115,7 @@ def test_validate_checks_the_files_the_recipe_names_as_train_does(tmp_path, monk
     result = invoke("validate", MINIMAL)
     assert result.exit_code == EXIT_USAGE
     assert result.stderr.splitlines()[0] == (
-        "error: model 'tiny/policy' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)"), result.output
+        "error: policy.path: model 'tiny/policy' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)"), result.output
     (tmp_path / "tiny" / "policy").mkdir(parents=True)
     (tmp_path / "tiny" / "policy" / "config.json").write_text("{}")
     result = invoke("validate", MINIMAL)

@@ -58,7 +58,7 @@ def test_validate_names_a_bad_gguf_policy_in_one_line(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["validate", str(RECIPE), "--set", f"policy.path={missing}"])
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith(("error:", "hint:"))]
-    assert lines == [f"error: GGUF file not found: {missing}", "hint: check the path (relative to the current directory)"]
+    assert lines == [f"error: policy.path: GGUF file not found: {missing}", "hint: check the path (relative to the current directory)"]
     assert "Traceback" not in result.output
 
 
