@@ -206,7 +206,7 @@ def train(
     from ppo_cli.commands.train import run as run_train  # imports torch: only after the recipe is valid
 
     result = run_train(resolved, recipe_path=recipe, overwrite=overwrite, merge=merge, resume=resume, force=force,
-                       show=report.TrainScreen())
+                       show=report.TrainScreen(), overrides=overrides or ())
     if result.summary:  # the main process's; the others return none
         report.print_train_summary(result.summary)
 

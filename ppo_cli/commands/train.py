@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ppo_cli.errors import RESUME, Interrupted, PpoError, UsageError
 from ppo_cli.metric_names import STEP
@@ -257,8 +257,9 @@ def precision_record(choice) -> dict:
             "described": choice.describe()}
 
 
-def advice_from_plan(err, recipe, recipe_path: Path | None, device):
-    """OutOfMemory ``err`` with what ``ppo plan`` expected and the `ppo train` line of the first change that fits."""
+def advice_from_plan(err, recipe, recipe_path: Path | None, device, overrides: Sequence[str] = ()):
+    """OutOfMemory ``err`` with what ``ppo plan`` expected and the `ppo train` line of the first change that fits
+    (after the user's own ``overrides``, which the change's --set follow and so override)."""
     import shlex
 
     from ppo_cli.commands import plan
@@ -279,14 +280,16 @@ def advice_from_plan(err, recipe, recipe_path: Path | None, device):
         budget = min(memory, peak) * 0.75
         fitting = [s for s in suggestions(result.settings, model_shapes(recipe), budget) if s.fits]
         if fitting:
-            command = ["ppo", "train", str(recipe_path or "RECIPE"), *plan.set_args(fitting[0].overrides)]
+            given = [arg for item in overrides for arg in ("--set", item)]
+            command = ["ppo", "train", str(recipe_path or "RECIPE"), *given, *plan.set_args(fitting[0].overrides)]
             hint = f"{fitting[0].change}: {shlex.join(command)}"
     return OutOfMemory(err.phase, detail, hint=hint)
 
 
 def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False, merge: bool = False,
-        resume: str | None = None, force: bool = False, show: Show = show_nothing) -> TrainResult:
-    """Train as the recipe says; what happens along the way reaches people through ``show`` (Show)."""
+        resume: str | None = None, force: bool = False, show: Show = show_nothing, overrides: Sequence[str] = ()) -> TrainResult:
+    """Train as the recipe says; what happens along the way reaches people through ``show`` (Show).
+    ``overrides``: the --set items the recipe was loaded with, for the hints that give a command."""
     if resume is not None and overwrite:
         raise UsageError("--resume and --overwrite cannot be used together", hint="--resume continues a run; --overwrite replaces it")
     from ppo_cli.resume import find_resume_checkpoint
@@ -308,7 +311,7 @@ def run(recipe: Recipe, recipe_path: Path | None = None, overwrite: bool = False
     # A launcher SIGKILLed (a machine going down) leaves its processes running: they stop with it.
     launcher_watch = collectives.end_with_launcher(collectives.launcher_pid()) if several else None
     try:
-        return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge, show)
+        return _run_processes(recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite, merge, show, overrides)
     except RuntimeError as err:
         mapped = collectives.as_collective_error(err, timeout) if several else None
         if mapped is None:
@@ -329,7 +332,7 @@ def _gathered_for_evaluation(dist, model, eval_prompts: list[str]):
 
 
 def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_path, overwrite: bool,
-                   merge: bool, show: Show) -> TrainResult:
+                   merge: bool, show: Show, overrides: Sequence[str] = ()) -> TrainResult:
     """run() from the process group on: every process runs all of it (collectives inside)."""
     import numpy as np
     import torch
@@ -369,7 +372,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
             load_policy_and_value(engine.actor_critic, checkpoint)
         state = init_state(engine, prompts, dist)
     except OutOfMemory as err:
-        raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
+        raise advice_from_plan(err, recipe, recipe_path, dist.device, overrides) from err
     run_dir, footprint = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
         load_training_state(state, checkpoint)
@@ -389,7 +392,7 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         if footprint is not None and state.step == 0:
             discard_unstarted_run(run_dir, footprint)  # no update finished: leave no run to block or mislead
         if isinstance(err, OutOfMemory):
-            raise advice_from_plan(err, recipe, recipe_path, dist.device) from err
+            raise advice_from_plan(err, recipe, recipe_path, dist.device, overrides) from err
         raise
 
     enter_phase("evaluation")

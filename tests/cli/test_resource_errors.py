@@ -190,3 +190,24 @@ def test_a_full_disk_outside_checkpoints_is_not_called_a_bug(capsys):
         "error: disk full: [Errno 28] No space left on device",
         "hint: free space on the output directory's disk, then resume (ppo train RECIPE --resume)",
     ]
+
+
+def test_the_out_of_memory_hint_keeps_the_users_overrides_before_the_change_that_fits(monkeypatch):
+    import types
+
+    from ppo_cli import plan_memory, resource_errors
+    from ppo_cli.commands import plan
+    from ppo_cli.commands.train import advice_from_plan
+
+    monkeypatch.setattr(plan, "run", lambda recipe, device: types.SimpleNamespace(
+        estimate=types.SimpleNamespace(total_gb=30.0), settings=None))
+    monkeypatch.setattr(plan_memory, "model_shapes", lambda recipe: {})
+    monkeypatch.setattr(plan_memory, "suggestions", lambda settings, shapes, budget: [
+        plan_memory.Suggestion("micro-batch 2", ["ppo.micro_batch_size=2"], 9.0, True)])
+    monkeypatch.setattr(resource_errors, "machine_memory_gb", lambda device: 24.0)
+    err = OutOfMemory("update", "CUDA out of memory")
+    advice = advice_from_plan(err, None, Path("recipes/x.yaml"), torch.device("cpu"),
+                              ["name=mine", "ppo.micro_batch_size=8"])
+    assert advice.hint == ("micro-batch 2: ppo train recipes/x.yaml --set name=mine --set ppo.micro_batch_size=8 "
+                           "--set ppo.micro_batch_size=2")
+    assert advice.detail == "CUDA out of memory; ppo plan expects a peak of 30.0 GB on 24.0 GB"
