@@ -13,7 +13,7 @@ from ppo_cli.engine.engine import load_engine
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.train_setup import init_state
 from ppo_cli.trainer import train_step
-from tests.conftest import tiny_overrides
+from tests.conftest import ROOT, tiny_overrides
 from tests.integration.test_critic_free import RECIPE, _sets
 
 pytestmark = pytest.mark.slow
@@ -109,11 +109,14 @@ def test_two_processes_agree_on_the_filtered_batch(tiny_models, tmp_path):
     (tmp_path / "zero_one.py").write_text(ZERO_ONE)
     sets = {**SMALL, "ppo.filter_groups": "true", "ppo.max_filter_rounds": EXTRA_ROUNDS, "train.total_updates": 3,
             "ppo.top_entropy_quantile": 0.5, "reward.missing_eos_penalty": "null",
+            "data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt",  # evaluated on both processes, as a user's run is
             "reward.components": f"[{{type: function, function: '{tmp_path / 'zero_one.py'}:reward'}}]"}
     args = [sys.executable, "-m", "ppo_cli", "train", str(RECIPE), "--num-processes", "2",
             *[a for item in tiny_overrides(tiny_models, tmp_path, **sets) for a in ("--set", item)]]
     result = subprocess.run(args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    evaluation = json.loads((tmp_path / "tiny-grpo" / "eval.json").read_text())
+    assert len(evaluation["before"]["samples"]) == len(evaluation["after"]["samples"]) == 16  # every held-out prompt, once
     metrics = [json.loads(line) for line in (tmp_path / "tiny-grpo" / "metrics.jsonl").read_text().splitlines()]
     episodes = 0
     for m in metrics:

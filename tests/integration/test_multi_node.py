@@ -28,7 +28,7 @@ MARGIN_S = 30  # a process polls its launcher each second; the survivor may be i
 # The kill "during the run" lands at update 1's checkpoint: the updates left must outlast the second in
 # which a process notices its launcher is gone (with 2, both processes once wrote final/ first).
 UPDATES = 4
-SMALL = {"data.eval_prompts": "null", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2,
+SMALL = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 2,
          "ppo.micro_batch_size": 2, "ppo.ppo_epochs": 1, "generation.max_new_tokens": 8,
          "train.total_updates": UPDATES, "train.save_every": 1, "train.collective_timeout_s": TIMEOUT_S}
 
@@ -115,6 +115,8 @@ def test_two_machines_train_and_only_machine_0s_first_process_writes(killed_afte
     assert metrics[-1]["episode"] == UPDATES * 4 * 2  # updates x rollout_batch_size x processes
     summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["updates"] == UPDATES
+    evaluation = json.loads((run / "eval.json").read_text())  # both machines evaluated their shares, machine 0 wrote
+    assert len(evaluation["before"]["samples"]) == len(evaluation["after"]["samples"]) == 16
     assert (run / "final/manifest.json").is_file() and (run / "final/adapter_model.safetensors").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in (UPDATES - 1, UPDATES)]  # keep_checkpoints 2
 
