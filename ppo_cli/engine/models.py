@@ -267,6 +267,13 @@ def save_adapter(policy: nn.Module, adapter: str, target: Path, state_dict: dict
         shutil.move(str(Path(tmp) / adapter), target)
 
 
+def adapter_tensors(policy: nn.Module, adapter: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one peft adapter of ``policy``, what save_adapter writes."""
+    from peft import get_peft_model_state_dict
+
+    return list(get_peft_model_state_dict(policy, adapter_name=adapter).items())
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (its LoRA layers are injected in place)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

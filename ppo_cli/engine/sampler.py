@@ -56,6 +56,25 @@ class Sampler(Protocol):
         ...
 
 
+def weights_fingerprint(named_tensors) -> bytes | None:
+    """An exact fingerprint of the values of ``named_tensors`` ((name, tensor) pairs): the blake2b of
+    their bytes in order. A sampler holding its own copy of the policy (vLLM's) reloads it only when
+    this changes, not before every generate call: an evaluation's batches, dynamic sampling's rounds and
+    an episode's turns all sample the same weights. (A tensor's ``_version`` would be cheaper, but a
+    fused optimizer step does not bump it.) None for sharded tensors (FSDP's DTensors): always reload."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in named_tensors:
+        if isinstance(tensor, DTensor):
+            return None
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+    return digest.digest()
+
+
 def with_budget(gen: GenerationConfig, max_new_tokens: int | None) -> GenerationConfig:
     """The recipe's generation settings, with this call's token budget when one is given."""
     return gen if max_new_tokens is None else gen.model_copy(update={"max_new_tokens": max_new_tokens})

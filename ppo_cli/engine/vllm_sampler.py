@@ -314,6 +314,7 @@ class VllmSampler:
         self._vllm = vllm
         self._adapter_root = Path(tempfile.mkdtemp(prefix="ppo_cli-vllm-lora-")) if self.is_lora and model is None else None
         self._lora_id = 0  # vLLM caches adapters by id: every update gets a new one
+        self._fingerprint: bytes | None = None  # of the weights vLLM has (engine/sampler.weights_fingerprint)
         self.lora_request = None
         if self.sleep_mode:
             self.llm.sleep(level=1)
@@ -322,14 +323,23 @@ class VllmSampler:
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
-        """Give vLLM the policy as it is now (called before every generation: after an update, a
-        resume or nothing at all, the weights it samples with are the trainer's)."""
+        """Give vLLM the policy as it is now, unless it has these weights already (called before every
+        generation: after an update, a resume or nothing at all, the weights it samples with are the trainer's)."""
         if self._fixed is not None:
             self._sync_fixed(policy)
-        elif self.is_lora:
+            return
+        from ppo_cli.engine.models import POLICY_ADAPTER, adapter_tensors, unwrap_causal_lm
+        from ppo_cli.engine.sampler import weights_fingerprint
+
+        tensors = adapter_tensors(policy, POLICY_ADAPTER) if self.is_lora else unwrap_causal_lm(policy).named_parameters()
+        fingerprint = weights_fingerprint(tensors)
+        if fingerprint is not None and fingerprint == self._fingerprint:
+            return  # vLLM has these weights already (an evaluation's next batch, a filter round, a turn)
+        if self.is_lora:
             self._sync_adapter(policy)
         else:
             self._sync_weights(policy)
+        self._fingerprint = fingerprint
 
     def _sync_fixed(self, policy) -> None:
         if self._synced:

@@ -146,6 +146,7 @@ class VllmServerSampler:
         self._made_root = False
         self._prefix = f"ppo-{uuid.uuid4().hex[:8]}"  # this process's adapters: fresh after a resume too
         self._count = 0
+        self._fingerprint: bytes | None = None  # of the adapter the server has (engine/sampler.weights_fingerprint)
         self.adapter: tuple[str, Path | None] | None = None  # (name on the server, directory we wrote or None)
         self.base_model = served_model(self._request("GET", "/v1/models"), self.url)
 
@@ -191,8 +192,12 @@ class VllmServerSampler:
                 else:
                     self._load(Path(self._fixed.adapter_dir).resolve(), written=False)
             return self.adapter[0]
-        from ppo_cli.engine.models import POLICY_ADAPTER, save_adapter
+        from ppo_cli.engine.models import POLICY_ADAPTER, adapter_tensors, save_adapter
+        from ppo_cli.engine.sampler import weights_fingerprint
 
+        fingerprint = weights_fingerprint(adapter_tensors(policy, POLICY_ADAPTER))
+        if self.adapter is not None and fingerprint is not None and fingerprint == self._fingerprint:
+            return self.adapter[0]  # the server has these weights already (an evaluation's next batch, a turn)
         self._count += 1
         directory = self._adapter_root / f"{self._prefix}-{self._count}"
         if not self._adapter_root.exists():
@@ -201,6 +206,7 @@ class VllmServerSampler:
         save_adapter(policy, POLICY_ADAPTER, directory)
         previous = self.adapter
         self._load(directory.resolve(), written=True)
+        self._fingerprint = fingerprint
         if previous is not None:
             self._unload(previous)
         return self.adapter[0]

@@ -129,3 +129,15 @@ def test_generation_backend_hf_gets_the_transformers_sampler_which_streams():
     sampler = make_sampler(recipe, torch.device("cpu"), policy=None, stop_token_id=0, pad_token_id=1, mixed_precision="no")
     assert isinstance(sampler, TransformersSampler) and sampler.streams and not sampler.copies_weights
     assert (sampler.gen, sampler.stop_token_id, sampler.pad_token_id) == (recipe.generation, 0, 1)
+
+
+def test_weights_fingerprint_changes_with_any_value_and_only_then():
+    from ppo_cli.engine.sampler import weights_fingerprint
+
+    weights = [("a", torch.zeros(4, 3)), ("b", torch.ones(5, dtype=torch.bfloat16))]
+    same = [("a", torch.zeros(4, 3)), ("b", torch.ones(5, dtype=torch.bfloat16))]
+    assert weights_fingerprint(weights) == weights_fingerprint(same)
+    same[0][1][3, 2] = 1e-30  # the smallest change an update could make still shows
+    assert weights_fingerprint(weights) != weights_fingerprint(same)
+    assert weights_fingerprint(weights) != weights_fingerprint([("a", torch.zeros(4, 3)), ("c", torch.ones(5, dtype=torch.bfloat16))])
+    assert weights_fingerprint([("a", torch.zeros(4, 3).t())]) == weights_fingerprint([("a", torch.zeros(3, 4))])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import types
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,11 @@ def saved_adapters(monkeypatch):
         calls.append((adapter, target))
 
     monkeypatch.setattr("ppo_cli.engine.models.save_adapter", save_adapter)
+    # The adapter's weights: a stand-in policy's own tensor, or (no policy) new values at every call (not
+    # drawn from torch's RNG, which seeds the requests).
+    calls_so_far = iter(range(10**6))
+    monkeypatch.setattr("ppo_cli.engine.models.adapter_tensors", lambda policy, adapter: [
+        ("lora_A", policy.weight if policy is not None else torch.tensor([float(next(calls_so_far))]))])
     return calls
 
 
@@ -105,6 +111,22 @@ def test_two_rollouts_load_a_fresh_adapter_unload_the_previous_and_send_groups_a
     assert not first_dir.exists() and list(server.adapters) == [second]
     sampler.close()
     assert server.adapters == {} and not (recipe.run_dir / "server_adapters").exists()
+
+
+def test_the_adapter_crosses_over_again_only_when_its_weights_changed(server, saved_adapters, tmp_path):
+    # An evaluation's batches, dynamic sampling's rounds and an episode's turns sample the same weights.
+    policy = types.SimpleNamespace(weight=torch.zeros(3))
+    sampler = server_sampler.VllmServerSampler(_recipe(server.url, tmp_path), STOP, PAD)
+    sampler.sample(policy, PROMPT_IDS, PROMPT_MASK)
+    first = sampler.adapter[0]
+    sampler.sample(policy, PROMPT_IDS, PROMPT_MASK)
+    assert sampler.adapter[0] == first and len(saved_adapters) == 1
+    with torch.no_grad():
+        policy.weight[1] = 1e-7  # one element, as an optimizer step moves it
+    sampler.sample(policy, PROMPT_IDS, PROMPT_MASK)
+    assert sampler.adapter[0] != first and len(saved_adapters) == 2
+    assert server.paths().count("/v1/load_lora_adapter") == 2 and server.paths().count("/v1/completions") == 3 * 4
+    sampler.close()
 
 
 def test_rows_that_are_not_whole_groups_go_one_request_each(server, saved_adapters, tmp_path):

@@ -72,7 +72,7 @@ def test_deepspeed_zero2_trains_grpo_without_a_critic(tiny_models, tmp_path):
     """value.kind none under ZeRO-2: one parameter group (the policy's), groups whole on each process,
     and the old log-probs from the update's first epoch across two accumulated micro-batches."""
     result = _train(tiny_models, tmp_path, "deepspeed_zero2.yaml", recipe="tiny_grpo.yaml", **{
-        "data.eval_prompts": "null", "generation.num_generations": 2, "ppo.rollout_batch_size": 2,
+        "generation.num_generations": 2, "ppo.rollout_batch_size": 2,
         "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 2, "train.total_updates": 1})
     assert result.returncode == 0, result.stderr[-4000:]
     run = tmp_path / "tiny-grpo"
@@ -82,6 +82,8 @@ def test_deepspeed_zero2_trains_grpo_without_a_critic(tiny_models, tmp_path):
     assert m["policy/grad_norm"] > 0 and m["loss/kl_avg"] >= 0.0 and 0.0 <= m["frac_reward_zero_std"] <= 1.0
     assert "loss/value_avg" not in m and "value_lr" not in m
     assert (run / "final" / "adapter_model.safetensors").exists() and not (run / "final" / "critic").exists()
+    evaluation = json.loads((run / "eval.json").read_text())  # the recipe's held-out prompts, on both processes
+    assert len(evaluation["before"]["samples"]) == len(evaluation["after"]["samples"]) == 16
 
 
 def _metrics(run: Path) -> list[dict]:

@@ -33,7 +33,7 @@ MAX_NEW_TOKENS = 12
 def run(wide_models, tmp_path_factory) -> Path:
     """A LoRA run of two updates (transformers sampling), so 'aligned' is an adapter on the base."""
     out = tmp_path_factory.mktemp("runs")
-    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt",
             "train.total_updates": 2, "ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 8,
             "ppo.micro_batch_size": 8}
     cli = ["train", str(ROOT / "recipes" / "tiny_sentiment.yaml")]

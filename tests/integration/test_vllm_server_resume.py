@@ -20,7 +20,7 @@ COMPLETIONS = "/v1/completions"
 
 
 def _train(models: Path, out: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
-    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt",
             "generation.backend": "vllm_server", "generation.server_url": url, "generation.server_retries": 0,
             "generation.max_new_tokens": 6, "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
             "ppo.micro_batch_size": 4, "train.total_updates": 3, "train.save_every": 1}
@@ -34,7 +34,8 @@ def _train(models: Path, out: Path, url: str, *extra: str) -> subprocess.Complet
 def test_a_failing_server_stops_the_run_in_one_line_and_resume_goes_on(tiny_models, tmp_path):
     run = tmp_path / "tiny-sentiment"
     with FakeVllmServer() as server:
-        server.fail_after[COMPLETIONS] = (8, 500)  # two updates of 4 one-completion requests, then HTTP 500
+        # the 16 held-out prompts' evaluation, then two updates of 4 one-completion requests, then HTTP 500
+        server.fail_after[COMPLETIONS] = (16 + 8, 500)
         failed = _train(tiny_models, tmp_path, server.url)
         assert failed.returncode == 1, failed.stderr
         errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
@@ -54,4 +55,7 @@ def test_a_failing_server_stops_the_run_in_one_line_and_resume_goes_on(tiny_mode
     # The fake's log-probs (-0.1, -0.2, ...) are not the policy's: the difference is measured, not assumed.
     assert all(m["rollout/logprob_diff_max"] > 0.0 for m in metrics)
     loads = [body["lora_name"] for _, path, body in server.requests if path == "/v1/load_lora_adapter"]
-    assert len(loads) == len(set(loads)) == 3 + 1  # a fresh name each update; the resumed run's differ too
+    # A fresh name each time the weights changed, the resumed run's differing too: the evaluation before and
+    # update 1 (the same weights: one load), updates 2 and 3 (then the server fails); resumed, update 3 and
+    # the evaluation after. The evaluation's 4 batches share one load.
+    assert len(loads) == len(set(loads)) == 3 + 2

@@ -52,7 +52,7 @@ def wide_models(tiny_models, tmp_path_factory) -> Path:
 
 
 def _train(models: Path, out: Path, *args: str, **sets) -> list[dict]:
-    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    sets = {"data.prompts": ROOT / "recipes/prompts/reviews.txt",
             "generation.backend": "vllm", **sets}
     cli = ["train", str(ROOT / "recipes" / "tiny_sentiment.yaml")]
     # float32 pinned: LOGPROB_TOLERANCE holds for float32 on both sides. Where the probe picks bf16
@@ -125,7 +125,7 @@ SMOLLM2_RECIPE = ROOT / "recipes" / "smollm2_concise.yaml"
 
 def _train_smollm2(smollm2: Path, out: Path, **sets) -> list[dict]:
     """Short updates (two unless ``sets`` says) of the real recipe (its reward, prompts, LoRA) sampled by vLLM."""
-    sets = {"policy.path": smollm2, "output_dir": out, "generation.backend": "vllm", "data.eval_prompts": "null",
+    sets = {"policy.path": smollm2, "output_dir": out, "generation.backend": "vllm",
             "generation.max_new_tokens": 16, "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
             "ppo.micro_batch_size": 4, "train.total_updates": 2, "train.sample_every": 0, **sets}
     cli = ["train", str(SMOLLM2_RECIPE)]
