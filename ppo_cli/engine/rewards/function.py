@@ -6,8 +6,8 @@ signature names, or all of them if it takes ``**kwargs``; one that takes neither
 ``(prompts, responses)``. A function written for TRL's GRPOTrainer, one with a parameter named
 ``completions`` (``def accuracy(completions, solution, **kwargs)``), is called as TRL calls it: by
 keyword, ``fn(prompts=..., completions=..., **columns)`` (and ``responses=``, the texts, if it takes
-them), each completion a string for a plain-text
-prompt and ``[{"role": "assistant", "content": ...}]`` for a conversation; TRL's ``completion_ids`` and
+them), each completion a string for a plain-text prompt and ``[{"role": "assistant", "content": ...}]``
+for a conversation; TRL's ``completion_ids`` and
 ``trainer_state`` are not passed (a function that requires them is refused when it loads). Which
 columns a function requires: function_columns.py. ``async def`` functions are awaited, together with
 the recipe's other asynchronous components. A None in what it returns marks a completion it could not
@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, TRL_ARGUMENTS, called_like_trl, declared_columns,
+from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, accepted_columns, called_like_trl, declared_columns,
                                                      missing_columns_error, required_columns, required_parameters)
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
@@ -122,18 +122,6 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-def accepted_columns(fn: Callable) -> set[str] | None:
-    """The keyword names ``fn`` takes past (prompts, responses), or past TRL's; None when it takes
-    ``**kwargs`` (all)."""
-    parameters = list(inspect.signature(fn).parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    if called_like_trl(fn):
-        return {p.name for p in parameters if p.kind is not p.VAR_POSITIONAL} - set(TRL_ARGUMENTS)
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return {p.name for p in positional[2:]} | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
-
-
 def as_completions(prompts: list, responses: list[str]) -> list:
     """TRL's ``completions``: the response text for a plain-text prompt, one assistant message for a
     conversation."""
@@ -146,6 +134,7 @@ class FunctionScorer:
         self.fn = load_reward_function(component.function)
         self.columns = accepted_columns(self.fn)
         self.like_trl = called_like_trl(self.fn)
+        self.parameters = set(inspect.signature(self.fn).parameters)
         self.reads_columns = self.columns is None or bool(self.columns)
         self.failure: str | None = None
         self.where = f"reward function '{self.spec}'"
@@ -168,10 +157,9 @@ class FunctionScorer:
         prompts, responses, chosen = copy.deepcopy(list(prompts)), list(responses), copy.deepcopy(chosen)
         if not self.like_trl:
             return (prompts, responses), chosen
-        taken = inspect.signature(self.fn).parameters
         passed = {"prompts": prompts, "completions": as_completions(prompts, responses), "responses": responses}
         if self.columns is not None:  # no **kwargs: only the names it has
-            passed = {k: v for k, v in passed.items() if k in taken}
+            passed = {k: v for k, v in passed.items() if k in self.parameters}
         return (), {**passed, **chosen}
 
     def __call__(self, prompts: list, responses: list[str], columns: dict[str, list] | None = None) -> list[float | None]:

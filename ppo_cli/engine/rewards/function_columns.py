@@ -5,7 +5,8 @@ One rule (``columns_required``) over a function's parameters, read from the impo
 (``declared_columns``: validate). A function is called ``fn(prompts, responses, **columns)``, so its
 columns are its parameters after the first two; a TRL-style function, one with a ``completions``
 parameter, is given everything by keyword, so its columns are its parameters but TRL's own names.
-Only parameters without a default count, never ``*args`` / ``**kwargs``.
+Only parameters without a default count, never ``*args`` / ``**kwargs``. ``accepted_columns``: the
+columns a function is given, by the same rule.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def required_parameters(fn: Callable) -> list[str]:
     """``fn``'s parameters without a default, *args and **kwargs aside."""
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty and p.kind not in variadic]
+
+
+def accepted_columns(fn: Callable) -> set[str] | None:
+    """The keyword names ``fn`` takes past (prompts, responses), or past TRL's; None when it takes
+    ``**kwargs`` (all)."""
+    parameters = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    if called_like_trl(fn):
+        return {p.name for p in parameters if p.kind is not p.VAR_POSITIONAL} - TRL_ARGUMENTS
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {p.name for p in positional[2:]} | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
 def required_columns(fn: Callable) -> set[str]:
