@@ -167,12 +167,52 @@ def test_training_maps_large_blocks_where_they_get_huge_pages_else_keeps_the_hea
     calls = []
     monkeypatch.setattr(malloc, "map_large_blocks", lambda: calls.append("map"))
     monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(malloc, "huge_pages_allowed", lambda allowed: calls.append(f"huge pages {allowed}"))
     monkeypatch.setattr(malloc, "large_blocks_on_huge_pages", lambda: True)
     assert malloc.tune_for_training(gradient_checkpointing=True) == "mapped"
     assert malloc.tune_for_training(gradient_checkpointing=False) == "kept"  # mapped costs +30% CPU there
     monkeypatch.setattr(malloc, "large_blocks_on_huge_pages", lambda: False)
     assert malloc.tune_for_training(gradient_checkpointing=True) == "kept"
-    assert calls == ["map", "keep", "keep"]
+    # a kept heap gets no huge pages: on it they cost the update's forward +45% (docs/memory.md)
+    assert calls == ["huge pages True", "map", "huge pages False", "keep", "huge pages False", "keep"]
+
+
+KEPT_HEAP_PROBE = """
+from ppo_cli.engine import malloc
+malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
+import torch
+def thp_enabled():
+    with open("/proc/self/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("THP_enabled:"))
+def huge_kb(address):
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+print(thp_enabled(), end=" ")
+print(malloc.tune_for_training(gradient_checkpointing=False), thp_enabled(), end=" ")
+block = torch.ones(8 * 2**20 // 4)  # 8 MiB from the kept heap: advised by torch, refused by the kernel
+print(huge_kb(block.data_ptr()), end=" ")
+print(malloc.tune_for_training(gradient_checkpointing=True), thp_enabled())
+"""
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
+def test_a_kept_heap_gets_no_huge_pages_and_a_mapped_one_gets_them_back():
+    """tune_for_training turns the process's huge pages off for a kept heap (prctl; /proc's THP_enabled
+    reads 0 and an 8 MiB block torch advised holds none) and on again where it maps its large blocks."""
+    from ppo_cli.engine.malloc import transparent_huge_pages
+
+    if transparent_huge_pages() != "madvise":
+        pytest.skip(f"the kernel's THP mode is {transparent_huge_pages()!r}, not madvise")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", KEPT_HEAP_PROBE], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["1", "kept", "0", "0", "mapped", "1"]
 
 
 HUGE_PAGE_PROBE = """
