@@ -185,7 +185,7 @@ def tune_for_training(gradient_checkpointing: bool) -> str:
     fragment as much: mapped there, SmolLM2's micro-batch peaked at 2.72 GB instead of 4.14 for +30% CPU
     (the kernel zeroing fresh pages), a price the user did not agree to (docs/memory.md). A kept heap on
     huge pages (torch advises its large blocks, which now come from the heap) cost the update's forward
-    +45% at the 0.5B shape, in the kernel (docs/memory.md, "A kept heap without huge pages")."""
+    +45% at the 0.5B shape, in the kernel (docs/memory.md, "A kept heap gets no huge pages")."""
     if heap_mapped(gradient_checkpointing):
         huge_pages_allowed(True)
         map_large_blocks()
