@@ -196,30 +196,21 @@ def tune_for_training(gradient_checkpointing: bool) -> str:
 
 
 # prctl options (linux/prctl.h): the process's "no transparent huge pages" flag, inherited by its children.
-PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42
-_disabled_here = False  # whether huge_pages_allowed(False) set the flag (a flag the parent set is left as it is)
+PR_SET_THP_DISABLE = 41
 
 
 def huge_pages_allowed(allowed: bool) -> bool:
-    """Linux: let the kernel give this process transparent huge pages or not (prctl PR_SET_THP_DISABLE:
+    """Linux: let the kernel give this process transparent huge pages or not (prctl PR_SET_THP_DISABLE;
     pages already huge stay so). Off for a kept heap: torch advises every block of 2 MiB or more for
     huge pages, and on the heap the kernel then faults in, compacts and collapses 2 MiB pages under the
-    update's feet (sys time 5.1 -> 11.8 s over a 3-update run at the 0.5B shape). Only a flag this
-    function set is cleared again. Returns whether the kernel took the request (False off Linux)."""
-    global _disabled_here
-    libc = _tunable_libc()
-    prctl = getattr(libc, "prctl", None)
+    update's feet (its forward +45% at the 0.5B shape, docs/memory.md). Set both ways, whoever set it
+    before: the flag is inherited, so a process started by one that kept its heap (a test suite's
+    subprocess) would otherwise map its blocks on 4 KiB pages. Returns whether the kernel took it
+    (False off Linux)."""
+    prctl = getattr(_tunable_libc(), "prctl", None)
     if prctl is None:
         return False
-    if not allowed:
-        if prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1:
-            return True  # already off (the user's or an earlier call's)
-        _disabled_here = prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
-        return _disabled_here
-    if _disabled_here:
-        _disabled_here = prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0) != 0
-        return not _disabled_here
-    return True
+    return prctl(PR_SET_THP_DISABLE, 0 if allowed else 1, 0, 0, 0) == 0
 
 
 def release_freed_memory() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ppo_cli.engine import engine as engine_module
+from ppo_cli.engine import malloc as malloc_module
 from ppo_cli.engine.engine import EngineOptions
 from ppo_cli.recipe_loading import load_recipe
 
@@ -194,7 +195,6 @@ def huge_kb(address):
                 inside = start <= address < end
             elif inside and line.startswith("AnonHugePages:"):
                 return int(line.split()[1])
-print(thp_enabled(), end=" ")
 print(malloc.tune_for_training(gradient_checkpointing=False), thp_enabled(), end=" ")
 block = torch.ones(8 * 2**20 // 4)  # 8 MiB from the kept heap: advised by torch, refused by the kernel
 print(huge_kb(block.data_ptr()), end=" ")
@@ -205,14 +205,18 @@ print(malloc.tune_for_training(gradient_checkpointing=True), thp_enabled())
 @pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
 def test_a_kept_heap_gets_no_huge_pages_and_a_mapped_one_gets_them_back():
     """tune_for_training turns the process's huge pages off for a kept heap (prctl; /proc's THP_enabled
-    reads 0 and an 8 MiB block torch advised holds none) and on again where it maps its large blocks."""
+    reads 0 and an 8 MiB block torch advised holds none) and on again where it maps its large blocks,
+    also where the flag came from the parent (set at the child's start, as if inherited)."""
     from ppo_cli.engine.malloc import transparent_huge_pages
 
     if transparent_huge_pages() != "madvise":
         pytest.skip(f"the kernel's THP mode is {transparent_huge_pages()!r}, not madvise")
     env = {k: v for k, v in __import__("os").environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", KEPT_HEAP_PROBE], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.split() == ["1", "kept", "0", "0", "mapped", "1"]
+    for inherited in (0, 1):
+        parent_flag = f"import ctypes; ctypes.CDLL('libc.so.6').prctl({malloc_module.PR_SET_THP_DISABLE}, {inherited}, 0, 0, 0)\n"
+        out = subprocess.run([sys.executable, "-c", parent_flag + KEPT_HEAP_PROBE], capture_output=True, text=True,
+                             check=True, env=env)
+        assert out.stdout.split() == ["kept", "0", "0", "mapped", "1"], inherited
 
 
 HUGE_PAGE_PROBE = """
