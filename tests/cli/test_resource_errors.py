@@ -57,7 +57,7 @@ def test_disk_full_says_what_is_intact(tmp_path: Path):
 
 def _train(models: Path, out: Path, *extra: str, **sets):
     args = ["train", RECIPE]
-    small = {"data.eval_prompts": "null", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
+    small = {"data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
              "ppo.micro_batch_size": 4, "generation.max_new_tokens": 6, **sets}
     for item in tiny_overrides(models, out, **small):
         args += ["--set", item]

@@ -56,7 +56,7 @@ def ws(tiny_models: Path, tmp_path_factory) -> Workspace:
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join([PROMPTS[0], "", *PROMPTS[1:]]) + "\n", encoding="utf-8")
     settings = {
-        "name": "tiny", "data.prompts": prompts, "data.eval_prompts": "null", "train.total_updates": 2,
+        "name": "tiny", "data.prompts": prompts, "data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt", "train.total_updates": 2,
         "train.save_every": 1, "train.device": "cpu", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 4,
         "ppo.micro_batch_size": 4, "ppo.ppo_epochs": 1, "generation.max_new_tokens": 12,
     }

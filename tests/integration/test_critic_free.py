@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ppo_cli.cli import app
 from tests.conftest import ROOT, tiny_overrides
-from tests.integration.test_reliability import _assert_same_metrics, _env, _metrics, _wait_for
+from tests.integration.test_reliability import _assert_same_held_out, _assert_same_metrics, _env, _metrics, _wait_for
 from tests.integration.test_train import _shipped_components
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def test_each_estimator_raises_the_held_out_score_without_a_critic(advantage, ti
     assert metrics[0]["episode"] == 64  # 16 prompts x 4 completions
 
 
-SMALL = {"data.eval_prompts": "null", "ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 8,
+SMALL = {"ppo.rollout_batch_size": 4, "ppo.mini_batch_size": 8,
          "ppo.micro_batch_size": 8, "generation.max_new_tokens": 12, "train.total_updates": 6, "train.save_every": 2}
 
 
@@ -64,4 +64,5 @@ def test_grpo_sigkill_then_resume_gives_the_uninterrupted_metrics(tiny_models, t
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     _assert_same_metrics(_metrics(run), _metrics(reference / "tiny-grpo"))
+    _assert_same_held_out(run, reference / "tiny-grpo")  # evaluated before and after, as a user's run is
     assert not (run / "checkpoints" / "step-000002" / "critic").exists()

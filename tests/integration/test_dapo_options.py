@@ -19,7 +19,7 @@ from tests.integration.test_critic_free import RECIPE, _sets
 pytestmark = pytest.mark.slow
 
 PROMPTS, G, EXTRA_ROUNDS = 4, 4, 2
-SMALL = {"data.eval_prompts": "null", "ppo.rollout_batch_size": PROMPTS, "ppo.mini_batch_size": 8,
+SMALL = {"data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt", "ppo.rollout_batch_size": PROMPTS, "ppo.mini_batch_size": 8,
          "ppo.micro_batch_size": 8, "generation.max_new_tokens": 12}
 # A 0/1 reward that often scores a whole group alike (p = 1/5 per completion: 41% of groups of 4).
 ZERO_ONE = "def reward(prompts, responses):\n    return [float(len(r) % 5 == 0) for r in responses]\n"

@@ -16,7 +16,7 @@ from tests.conftest import ROOT, tiny_overrides, is_wall_clock
 pytestmark = pytest.mark.slow
 RECIPE = str(ROOT / "recipes" / "tiny_sentiment.yaml")
 SMALL = {
-    "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": "null",
+    "data.prompts": ROOT / "recipes/prompts/reviews.txt", "data.eval_prompts": ROOT / "recipes/prompts/reviews_eval.txt",
     "ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
     "generation.max_new_tokens": 12, "train.total_updates": 6, "train.save_every": 2,
 }
@@ -47,11 +47,26 @@ def _assert_same_metrics(resumed: list[dict], reference: list[dict]) -> None:
             assert got[key] == pytest.approx(value, abs=COMPARED_EXACTLY), (got["step"], key)
 
 
+def _assert_same_held_out(run: Path, reference: Path) -> None:
+    """The held-out evaluation before and after (eval.json) equals the reference run's: a resumed run
+    reports the 'before' it saved at its start, and evaluates the same policy after."""
+    got, want = (json.loads((r / "eval.json").read_text()) for r in (run, reference))
+    for when in ("before", "after"):
+        assert [s["response"] for s in got[when]["samples"]] == [s["response"] for s in want[when]["samples"]], when
+        for key in ("score", "kl", "response_length"):
+            assert got[when][key] == pytest.approx(want[when][key], abs=COMPARED_EXACTLY), (when, key)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_models, tmp_path_factory) -> list[dict]:
+def uninterrupted_run(tiny_models, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     subprocess.run(_cmd(tiny_models, out), check=True, env=_env(), capture_output=True)
-    return _metrics(out / "tiny-sentiment")
+    return out / "tiny-sentiment"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> list[dict]:
+    return _metrics(uninterrupted_run)
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
@@ -62,7 +77,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None
         time.sleep(0.05)
 
 
-def test_sigkill_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(tiny_models, tmp_path, uninterrupted):
+def test_sigkill_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(tiny_models, tmp_path, uninterrupted,
+                                                                                uninterrupted_run):
     run = tmp_path / "tiny-sentiment"
     proc = subprocess.Popen(_cmd(tiny_models, tmp_path), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _wait_for(lambda: (run / "checkpoints" / "step-000002" / "manifest.json").exists(), proc)
@@ -73,12 +89,13 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     _assert_same_metrics(_metrics(run), uninterrupted)
+    _assert_same_held_out(run, uninterrupted_run)
     assert (run / "final" / "manifest.json").exists()
     # no temporary directory survives a kill and a resume
     assert not [p for p in run.rglob(".*") if p.name.startswith((".step-", ".final-"))]
 
 
-def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_path, uninterrupted):
+def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_path, uninterrupted, uninterrupted_run):
     run = tmp_path / "tiny-sentiment"
     proc = subprocess.Popen(_cmd(tiny_models, tmp_path, **{"train.save_every": 0}), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -97,6 +114,7 @@ def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_pat
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     _assert_same_metrics(_metrics(run), uninterrupted)
+    _assert_same_held_out(run, uninterrupted_run)
 
 
 def test_a_finished_run_says_so_on_resume_and_extends_exactly(tiny_models, tmp_path, uninterrupted):
@@ -126,10 +144,10 @@ def test_nan_rewards_leave_their_completions_then_the_run_stops_with_a_diagnosti
         "calls = 0\n"
         "def reward(prompts, responses):\n"
         "    global calls\n"
-        "    calls += 1\n"
-        "    if calls == 3:  # one NaN: that completion leaves the update, the others train\n"
+        "    calls += 1  # call 1: the held-out evaluation before the first update (its 16 prompts in one call)\n"
+        "    if calls == 4:  # update 3: one NaN: that completion leaves the update, the others train\n"
         "        return [float('nan')] + [1.0] * (len(responses) - 1)\n"
-        "    return [float('nan') if calls > 3 else 1.0 for _ in responses]\n"
+        "    return [float('nan') if calls > 4 else 1.0 for _ in responses]\n"
     )
     run = tmp_path / "tiny-sentiment"
     result = subprocess.run(
