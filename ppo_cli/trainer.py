@@ -58,7 +58,7 @@ from ppo_cli.types import Advantages, DeferredOldLogprobs, Rollout
 
 def train(state: TrainState) -> Iterator[tuple[dict[str, float], Rollout]]:
     """Updates until total_updates; stops with a diagnostic after too many skipped updates in a row."""
-    from ppo_cli.errors import TrainingError
+    from ppo_cli.errors import RESUME, TrainingError
 
     limit = state.recipe.train.max_consecutive_skips
     while state.step < state.recipe.train.total_updates:
@@ -67,7 +67,9 @@ def train(state: TrainState) -> Iterator[tuple[dict[str, float], Rollout]]:
             raise TrainingError(
                 f"stopped at update {state.step}: {state.consecutive_skips} updates in a row skipped for "
                 f"{state.last_skip_reason}",
-                hint=f"likely cause: {LIKELY_CAUSES[state.last_skip_reason]}; the last checkpoint is intact",
+                # Resuming unchanged would meet the same numbers: the fix is a setting, which --force accepts.
+                hint=f"likely cause: {LIKELY_CAUSES[state.last_skip_reason]}; the last checkpoint is intact: "
+                     f"change the setting, then continue from it with {RESUME} --force (which accepts the changed recipe)",
             )
 
 
