@@ -319,11 +319,13 @@ def describe_errors(
     """Turn pydantic's errors into located one-line problems, first in the file first."""
     described: list[tuple[_Where, str, str | None, str | None]] = []  # where, message, hint, expected
     for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
+        loc = section = tuple(err["loc"])
         if err["type"] == "recipe_rule" and (err.get("ctx") or {}).get("key"):
             loc += tuple(err["ctx"]["key"].split("."))
         where = _walk_loc(loc)
         message, hint = _message_and_hint(err, where)
+        if err["type"] == "recipe_rule":
+            message += _also_set(section, tuple(where.path), message, set_paths)
         expected = _expected(err)
         previous = described[-1] if described else None
         if previous and where.union_member and previous[0].union_member and previous[0].path == where.path:
@@ -335,6 +337,18 @@ def describe_errors(
         described.append((where, message, hint, expected))
     problems = [_locate(where.path, message, hint, source, lines, set_paths) for where, message, hint, _ in described]
     return sorted(problems, key=lambda p: (p.from_override, p.line or 0))
+
+
+def _also_set(section: KeyPath, key: KeyPath, message: str, set_paths: frozenset[KeyPath]) -> str:
+    """A rule across fields is located at one of them, in the file: where another field it names came
+    from --set (the value that broke it, most likely), say so, e.g. ' (ppo.rollout_batch_size from --set)'.
+    Nothing where the located field is itself from --set: the line already starts with --set."""
+    if any(key[:n] in set_paths for n in range(1, len(key) + 1)):
+        return ""
+    named = sorted(".".join(p) for p in set_paths
+                   if p[:len(section)] == section and len(p) > len(section) and p != key[:len(p)]
+                   and re.search(rf"\b{re.escape(p[-1])}\b", message))
+    return f" ({', '.join(named)} from --set)" if named else ""
 
 
 def _walk_loc(loc: tuple) -> _Where:

@@ -3,6 +3,8 @@ they count in episodes, and each refusal as one exact line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ppo_cli.auto import value_kind
 from ppo_cli.recipe_loading import dump_resolved, load_recipe
 from tests.recipe.test_recipe import BASE, error, variant, write
@@ -66,7 +68,8 @@ def test_episodes_that_do_not_divide_into_mini_batches(tmp_path):
     err = error(path, GRPO[:1] + ["generation.num_generations=3"])
     assert err.message.endswith(
         "recipe.yaml:14: ppo.mini_batch_size: rollout_batch_size x generation.num_generations (3 x 3 = 9 episodes) must "
-        "be a multiple of mini_batch_size (4): mini- and micro-batches count episodes (completions), not prompts")
+        "be a multiple of mini_batch_size (4): mini- and micro-batches count episodes (completions), not prompts "
+        "(generation.num_generations from --set)")
     assert err.hint.endswith("mini_batch_size divides rollout_batch_size x num_generations")
     load_recipe(path, GRPO)  # 3 x 4 = 12 episodes: 3 mini-batches of 4
 
@@ -121,3 +124,25 @@ def test_top_entropy_quantile_is_a_fraction(tmp_path):
     assert load_recipe(path, ["ppo.top_entropy_quantile=0.2"]).ppo.top_entropy_quantile == 0.2
     assert "ppo.top_entropy_quantile" in error(path, ["ppo.top_entropy_quantile=0"]).message
     assert "ppo.top_entropy_quantile" in error(path, ["ppo.top_entropy_quantile=1.5"]).message
+
+
+def test_a_rule_located_in_the_file_names_the_field_that_came_from_set(monkeypatch):
+    """The rule is keyed at a field of the file, but the value that broke it came from --set: the line
+    says so instead of sending the user to a line that is fine."""
+    import pytest
+
+    from ppo_cli.errors import RecipeError
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(Path("recipes/tiny_sentiment.yaml"), ["ppo.rollout_batch_size=3", "ppo.kl_coef=0.1"])
+    assert caught.value.message == ("recipes/tiny_sentiment.yaml:50: ppo.mini_batch_size: rollout_batch_size (3) must "
+                                    "be a multiple of mini_batch_size (16) (ppo.rollout_batch_size from --set)")
+    with pytest.raises(RecipeError) as caught:  # across sections: the rule names generation.num_generations
+        load_recipe(Path("recipes/tiny_grpo.yaml"), ["generation.num_generations=1"])
+    assert caught.value.message.endswith("needs generation.num_generations >= 2, got 1 (generation.num_generations from --set)")
+    assert caught.value.message.startswith("recipes/tiny_grpo.yaml:")
+    with pytest.raises(RecipeError) as caught:  # the located field itself from --set: the line starts with it
+        load_recipe(Path("recipes/tiny_sentiment.yaml"), ["ppo.mini_batch_size=3"])
+    assert caught.value.message == "--set ppo.mini_batch_size: rollout_batch_size (64) must be a multiple of mini_batch_size (3)"
