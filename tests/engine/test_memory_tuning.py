@@ -178,14 +178,10 @@ def test_training_maps_large_blocks_where_they_get_huge_pages_else_keeps_the_hea
     assert calls == ["huge pages True", "map", "huge pages False", "keep", "huge pages False", "keep"]
 
 
-KEPT_HEAP_PROBE = """
-from ppo_cli.engine import malloc
-malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
-import torch
-def thp_enabled():
-    with open("/proc/self/status") as f:
-        return next(line.split()[1] for line in f if line.startswith("THP_enabled:"))
-def huge_kb(address):
+# Defines smaps_field(address, name) in a probe: the values of /proc/self/smaps's line `name:` for the
+# mapping that holds ``address``.
+SMAPS_FIELD = """
+def smaps_field(address, name):
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -193,11 +189,20 @@ def huge_kb(address):
             if "-" in head and ":" not in head:
                 start, end = (int(x, 16) for x in head.split("-"))
                 inside = start <= address < end
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
+            elif inside and line.startswith(name + ":"):
+                return line.split()[1:]
+"""
+
+KEPT_HEAP_PROBE = SMAPS_FIELD + """
+from ppo_cli.engine import malloc
+malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
+import torch
+def thp_enabled():
+    with open("/proc/self/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("THP_enabled:"))
 print(malloc.tune_for_training(gradient_checkpointing=False), thp_enabled(), end=" ")
 block = torch.ones(8 * 2**20 // 4)  # 8 MiB from the kept heap: advised by torch, refused by the kernel
-print(huge_kb(block.data_ptr()), end=" ")
+print(smaps_field(block.data_ptr(), "AnonHugePages")[0], end=" ")
 print(malloc.tune_for_training(gradient_checkpointing=True), thp_enabled())
 """
 
@@ -219,7 +224,7 @@ def test_a_kept_heap_gets_no_huge_pages_and_a_mapped_one_gets_them_back():
         assert out.stdout.split() == ["kept", "0", "0", "mapped", "1"], inherited
 
 
-HUGE_PAGE_PROBE = """
+HUGE_PAGE_PROBE = SMAPS_FIELD + """
 import os
 from ppo_cli.engine import malloc
 assert malloc.ask_torch_for_huge_pages()  # as `ppo`'s entry point does, before torch loads
@@ -228,19 +233,9 @@ assert malloc.tune_for_training(gradient_checkpointing=True) == "mapped"
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-def vm_flags(address):
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
 before = resident()
 block = torch.ones(6 * 2**20 // 4)  # 6 MiB: an activation of SmolLM2's MLP at 8 x 139 tokens is 6.5
-flags = vm_flags(block.data_ptr())
+flags = smaps_field(block.data_ptr(), "VmFlags")
 held = resident() - before
 del block
 print("hg" in flags, held, resident() - before)
