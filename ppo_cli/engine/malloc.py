@@ -100,6 +100,7 @@ def return_freed_memory() -> None:
     mallopt(M_TOP_PAD, GLIBC_TOP_PAD)
     mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
     mallopt(M_MMAP_THRESHOLD, FSDP_MMAP_THRESHOLD)  # a fixed value: glibc stops raising it
+    huge_pages_allowed(True)  # mapped blocks, not a kept heap: those of 2 MiB or more fault in as 2 MiB pages
 
 
 # The kernel's transparent huge pages setting, and torch's switch for asking them for its large blocks

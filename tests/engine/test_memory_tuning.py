@@ -203,6 +203,8 @@ def thp_enabled():
 print(malloc.tune_for_training(gradient_checkpointing=False), thp_enabled(), end=" ")
 block = torch.ones(8 * 2**20 // 4)  # 8 MiB from the kept heap: advised by torch, refused by the kernel
 print(smaps_field(block.data_ptr(), "AnonHugePages")[0], end=" ")
+malloc.return_freed_memory()  # FSDP on CPU maps its blocks after the engine loaded: huge pages back
+print(thp_enabled(), malloc.tune_for_training(gradient_checkpointing=False), thp_enabled(), end=" ")
 print(malloc.tune_for_training(gradient_checkpointing=True), thp_enabled())
 """
 
@@ -210,8 +212,8 @@ print(malloc.tune_for_training(gradient_checkpointing=True), thp_enabled())
 @pytest.mark.skipif(not _glibc(), reason="glibc malloc only")
 def test_a_kept_heap_gets_no_huge_pages_and_a_mapped_one_gets_them_back():
     """tune_for_training turns the process's huge pages off for a kept heap (prctl; /proc's THP_enabled
-    reads 0 and an 8 MiB block torch advised holds none) and on again where it maps its large blocks,
-    also where the flag came from the parent (set at the child's start, as if inherited)."""
+    reads 0 and an 8 MiB block torch advised holds none) and on again where it maps its large blocks
+    (a checkpointed update, or FSDP's return_freed_memory), also where the flag came from the parent (set at the child's start, as if inherited)."""
     from ppo_cli.engine.malloc import transparent_huge_pages
 
     if transparent_huge_pages() != "madvise":
@@ -221,7 +223,7 @@ def test_a_kept_heap_gets_no_huge_pages_and_a_mapped_one_gets_them_back():
         parent_flag = f"import ctypes; ctypes.CDLL('libc.so.6').prctl({malloc_module.PR_SET_THP_DISABLE}, {inherited}, 0, 0, 0)\n"
         out = subprocess.run([sys.executable, "-c", parent_flag + KEPT_HEAP_PROBE], capture_output=True, text=True,
                              check=True, env=env)
-        assert out.stdout.split() == ["kept", "0", "0", "mapped", "1"], inherited
+        assert out.stdout.split() == ["kept", "0", "0", "1", "kept", "0", "mapped", "1"], inherited
 
 
 HUGE_PAGE_PROBE = SMAPS_FIELD + """
