@@ -349,7 +349,7 @@ def _walk_loc(loc: tuple) -> _Where:
             where.tp, where.union_member = None, True
             continue
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            where.owner, where.field = tp, tp.model_fields.get(str(item))
+            where.owner, where.field = tp, _keyed_fields(tp).get(str(item))
             where.tp = where.field.annotation if where.field else None
         elif get_origin(tp) in (list, dict):
             where.tp = get_args(tp)[-1]
@@ -368,7 +368,7 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         hint = f"add `{leaf}:` under `{parent}:`" if parent else f"add `{leaf}:` at the top level"
         return "missing required key", hint + (f" — {description}" if description else "")
     if kind == "extra_forbidden":
-        allowed = list(where.owner.model_fields) if where.owner is not None else []
+        allowed = list(_keyed_fields(where.owner)) if where.owner is not None else []
         close = difflib.get_close_matches(leaf, allowed, n=1)
         hint = (f"did you mean '{close[0]}'? " if close else "") + f"allowed keys: {', '.join(allowed)}"
         return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), hint
@@ -487,13 +487,19 @@ def _fields_of(tp: Any, node: Any) -> dict[str, FieldInfo] | None:
     """The fields allowed at a mapping of type ``tp``: a model's, or for a discriminated union the
     member named by the node's ``type`` (all members' fields when it has none). None: not a model."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return dict(tp.model_fields)
+        return _keyed_fields(tp)
     if _is_discriminated(tp):
         member = _member_for_tag(tp, node.get("type")) if isinstance(node, dict) else None
         if member is not None:
-            return dict(member.model_fields)
-        return {name: f for m in _members(tp) for name, f in m.model_fields.items()}
+            return _keyed_fields(member)
+        return {name: f for m in _members(tp) for name, f in _keyed_fields(m).items()}
     return None
+
+
+def _keyed_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key a recipe writes: the alias where there is one (environment.class, the
+    field class_), else the field's name."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _is_str_type(tp: Any) -> bool:
