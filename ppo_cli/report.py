@@ -4,6 +4,7 @@ Takes plain data only (dicts, lists, numbers, strings)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 from rich.console import Console
@@ -202,7 +203,7 @@ def progress_bar(description: str, total: int):
 
 
 def _signed(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:+.{digits}f}"
+    return "n/a" if value is None or math.isnan(value) else f"{value:+.{digits}f}"  # nan: no row had one
 
 
 def _eos(finished: bool) -> str:
@@ -214,8 +215,18 @@ def _say(message: str) -> None:
     console.print(Text(message), soft_wrap=True)
 
 
-def print_rollout(out: str, rows: int, prompts: int, model: str) -> None:
+def print_rollout(out: str, rows: int, prompts: int, model: str, env_failed: int = 0,
+                  env_failure: str | None = None) -> None:
     _say(f"wrote {rows} rows ({prompts} prompts) from {model} to {out}")
+    if env_failed:
+        _say(env_failure_line(env_failed, rows, env_failure))
+
+
+def env_failure_line(failed: int, episodes: int, first: str | None) -> str:
+    """Episodes of several turns whose environment failed (no reward; training leaves them out of the
+    update), with the first one's failure: otherwise only a rate says so."""
+    return (f"note: the environment failed in {failed} of {episodes} episodes (env_failed: no reward)"
+            + (f"; the first: {first}" if first else ""))
 
 
 def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0) -> None:
@@ -227,7 +238,7 @@ def print_score(out: str, rows: int, mean_reward: float, components: dict[str, f
 def _metric_rows(summary: dict) -> list[tuple[str, str]]:
     reward = summary["reward"]
     rows = [("mean reward", _signed(reward["mean"], 3)), ("median reward", _signed(reward["median"], 3)),
-            ("std reward", f"{reward['std']:.3f}"), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
+            ("std reward", "n/a" if math.isnan(reward["std"]) else f"{reward['std']:.3f}"), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
             ("EOS rate", f"{summary['eos_rate']:.0%}"), ("mean response length", f"{summary['response_length']:.1f} tokens"),
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
@@ -259,6 +270,8 @@ def print_eval(summary: dict, out: str | None = None, replaced: bool = False) ->
          f"seed {summary['seed']}, recipe {summary['recipe']}")
     if summary["kl"] is not None and summary["kl"] < 0:
         _say(KL_BELOW_ZERO)
+    if summary.get("env_failed"):
+        _say(env_failure_line(summary["env_failed"], summary["num_prompts"] * summary["num_samples"], summary.get("env_failure")))
     if out:
         _say(f"wrote {out}" + (" (replacing the previous file)" if replaced else ""))
 
