@@ -34,7 +34,13 @@ def missing_directory_hint(path: str) -> str:
     """How to get a model directory that is not there: the shipped recipes' models/tiny*/ are built."""
     parts = Path(path).parts
     if len(parts) >= 2 and parts[0] == "models" and parts[1].startswith("tiny"):
-        return TINY_MODELS_HINT
+        if Path("scripts/make_tiny_models.py").is_file():  # the repository root: not built yet
+            return TINY_MODELS_HINT
+        # elsewhere (a recipe of one's own, a run's recipe.yaml read from another directory): the path is the
+        # repository's, relative to where ppo runs
+        return (f"the path is relative to the current directory ({Path.cwd()}): run ppo from the repository root "
+                "(python scripts/make_tiny_models.py there builds models/tiny/ and models/tiny-tools/), or give "
+                "an absolute path")
     return "check the path (relative to the current directory)"
 
 
