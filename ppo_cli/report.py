@@ -316,7 +316,7 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
     return [
         ("mean reward", _signed(a["reward"]["mean"]), _signed(b["reward"]["mean"]),
          _signed(difference["mean_reward_diff"]), f"[{_signed(low)}, {_signed(high)}]"),
-        ("win rate of B", "", "", f"{difference['win_rate_b']:.0%}", ""),
+        ("win rate of B", "", "", "n/a" if math.isnan(difference["win_rate_b"]) else f"{difference['win_rate_b']:.0%}", ""),
         ("EOS rate", f"{a['eos_rate']:.0%}", f"{b['eos_rate']:.0%}", f"{(b['eos_rate'] - a['eos_rate']) * 100:+.0f} pts", ""),
         ("mean length", f"{a['response_length']:.1f}", f"{b['response_length']:.1f}",
          _signed(b["response_length"] - a["response_length"], 1), ""),
@@ -324,7 +324,9 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
         ("distinct-1 / -2", f"{a['distinct_1']:.2f} / {a['distinct_2']:.2f}", f"{b['distinct_1']:.2f} / {b['distinct_2']:.2f}", "", ""),
     ] + ([("mean turns", f"{a['turns']:.2f}", f"{b['turns']:.2f}", _signed(b["turns"] - a["turns"], 2), ""),
           ("tool-call rate", f"{a['tool_call_rate']:.0%}", f"{b['tool_call_rate']:.0%}",
-           f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else [])
+           f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else []) + (
+        [("environment failed", f"{a['env_failed_rate']:.0%}", f"{b['env_failed_rate']:.0%}", "", "")]
+        if a.get("env_failed") or b.get("env_failed") else [])
 
 
 def _summary_footnote(a: dict, difference: dict) -> str:
@@ -352,6 +354,9 @@ def print_compare(a: dict, b: dict, difference: dict, pairs: list[dict], files: 
     console.print(Text(_summary_footnote(a, difference), style="dim"))
     if any(s["kl"] is not None and s["kl"] < 0 for s in (a, b)):
         _say(KL_BELOW_ZERO)
+    for side, s in (("A", a), ("B", b)):
+        if s.get("env_failed"):
+            _say(f"{side}: " + env_failure_line(s["env_failed"], s["num_prompts"] * s["num_samples"], s.get("env_failure")))
     for path in files:
         _say(f"wrote {path}")
 

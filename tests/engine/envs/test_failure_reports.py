@@ -75,3 +75,20 @@ def test_eval_with_every_environment_failing_says_so_and_shows_no_nan():
     assert "nan" not in table
     assert any("mean reward" in line and "n/a" in line for line in lines)
     assert any("std reward" in line and "n/a" in line for line in lines)
+
+
+def test_compare_with_every_environment_failing_says_so_for_each_side_and_shows_no_nan():
+    side = {"num_prompts": 2, "num_samples": 1, "prompts": "p.jsonl", "seed": 0, "recipe": "r",
+            **summarize_rows([row(True, FAILURE), row(True, FAILURE)])}
+    a, b = {**side, "model": "base", "description": "base"}, {**side, "model": "aligned", "description": "aligned"}
+    nan = float("nan")
+    difference = {"ci95": (nan, nan), "mean_reward_diff": nan, "win_rate_b": nan, "pairs": 0,
+                  "bootstrap": {"resamples": 2000}}
+    with report.console.capture() as capture:
+        report.print_compare(a, b, difference, [])
+    lines = capture.get().splitlines()
+    note = f"note: the environment failed in 2 of 2 episodes (env_failed: no reward); the first: {FAILURE}"
+    assert f"A: {note}" in lines and f"B: {note}" in lines
+    assert "nan" not in capture.get()
+    assert any("win rate of B" in line and "n/a" in line for line in lines)
+    assert any("environment failed" in line and "100%" in line for line in lines)
