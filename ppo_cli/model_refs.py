@@ -93,15 +93,24 @@ def check_model_reference(path: str) -> None:
             return  # downloaded before: transformers loads it from the cache
         raise ModelReferenceError(
             f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
-            hint="download it first (`hf download`) or point at a local directory",
+            hint=shipped_model_hint(path) or "download it first (`hf download`) or point at a local directory",
         )
     # Without this, a machine with no network spends a minute in the hub client's retries per file.
     unreachable = hub_unreachable()
     if unreachable and not _in_hub_cache(path):
         raise ModelReferenceError(
             f"model '{path}' is not a local directory, and the hub cannot be reached ({unreachable})",
-            hint="check the spelling of a local path and the network, or download the model first (`hf download`)",
+            hint=shipped_model_hint(path)
+            or "check the spelling of a local path and the network, or download the model first (`hf download`)",
         )
+
+
+def shipped_model_hint(path: str) -> str | None:
+    """models/smollm2, which the SmolLM2 recipes name, reads like a hub id (owner/name): say what writes it."""
+    if Path(path).parts[:1] == ("models",) and Path(path).name.startswith("smollm2"):
+        return ("the SmolLM2 recipes' models/smollm2 is written by python scripts/fetch_smollm2.py, run from the "
+                f"repository root (paths are relative to the current directory, {Path.cwd()})")
+    return None
 
 
 def has_chat_template(path: str) -> bool | None:
