@@ -243,6 +243,8 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
     rows += [(f"  {name}", _signed(value, 3)) for name, value in summary["reward_components"].items()]
+    if "step_reward" in summary:  # the episodes' reward adds their steps' (the mean reward's other part)
+        rows.append(("  environment steps", _signed(summary["step_reward"], 3)))
     if "turns" in summary:  # episodes of several turns
         rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}"),
                  ("environment failed", f"{summary['env_failed_rate']:.0%}")]

@@ -92,3 +92,15 @@ def test_compare_with_every_environment_failing_says_so_for_each_side_and_shows_
     assert "nan" not in capture.get()
     assert any("win rate of B" in line and "n/a" in line for line in lines)
     assert any("environment failed" in line and "100%" in line for line in lines)
+
+
+def test_eval_shows_the_steps_rewards_beside_the_components():
+    rows = [{**row(False), "reward": 1.5, "reward_components": {"half": 0.5}, "step_reward": 1.0},
+            {**row(False), "reward": 0.5, "reward_components": {"half": 0.5}, "step_reward": None},
+            {**row(True, FAILURE), "reward_components": {"half": 0.5}, "step_reward": None}]
+    summary = {"description": "base", "num_prompts": 3, "num_samples": 1, "prompts": "p.jsonl", "seed": 0, "recipe": "r",
+               **summarize_rows(rows)}
+    assert summary["step_reward"] == 0.5  # over the episodes whose environment did not fail
+    lines = printed(lambda: report.print_eval(summary))
+    assert any("  half " in line and "+0.500" in line for line in lines)
+    assert any("  environment steps " in line and "+0.500" in line for line in lines)
