@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import re
+import shlex
 import types
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
@@ -31,7 +32,7 @@ from ppo_cli.recipe import Recipe
 
 KeyPath = tuple[str, ...]  # ('reward', 'components', '0', 'weight'): list indexes as strings too
 
-_MORE_ERRORS = " (and {n} more error{s}; run `ppo validate {source} --all-errors` for all)"
+_MORE_ERRORS = " (and {n} more error{s}; run `{command}` for all)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,9 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
             f"{source}:{lines[()]}: the recipe must be a mapping of keys (name:, policy:, ...), not a {_yaml_kind(data)}",
             "see the recipes/ directory for examples",
         )
+    overrides = list(overrides)
     data, set_paths = apply_overrides(data, overrides)
-    return validate_recipe(data, source=source, lines=lines, set_paths=set_paths)
+    return validate_recipe(data, source=source, lines=lines, set_paths=set_paths, overrides=overrides)
 
 
 def dump_resolved(recipe: Recipe) -> str:
@@ -85,9 +87,11 @@ def dump_resolved(recipe: Recipe) -> str:
 
 
 def validate_recipe(
-    data: Any, *, source: str = "<recipe>", lines: dict[KeyPath, int] | None = None, set_paths: Iterable[KeyPath] = ()
+    data: Any, *, source: str = "<recipe>", lines: dict[KeyPath, int] | None = None, set_paths: Iterable[KeyPath] = (),
+    overrides: Iterable[str] = (),
 ) -> Recipe:
-    """Validate parsed YAML; errors are located with ``lines`` (key path -> line) and ``set_paths``."""
+    """Validate parsed YAML; errors are located with ``lines`` (key path -> line) and ``set_paths``. ``overrides``:
+    the --set items, repeated in the `ppo validate ... --all-errors` line that lists every error."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
@@ -95,7 +99,8 @@ def validate_recipe(
     more = len(problems) - 1
     message = str(problems[0])
     if more:
-        message += _MORE_ERRORS.format(n=more, s="s" if more > 1 else "", source=source)
+        command = shlex.join(["ppo", "validate", source, *(a for item in overrides for a in ("--set", item)), "--all-errors"])
+        message += _MORE_ERRORS.format(n=more, s="s" if more > 1 else "", command=command)
     raise RecipeValidationError(message, problems[0].hint, problems)
 
 

@@ -495,3 +495,13 @@ def test_environment_class_underscore_in_the_file_suggests_class(tmp_path):
     err = error(path)
     assert err.message.endswith("environment.class_: unknown key 'class_' in environment")
     assert err.hint == f"did you mean 'class'? allowed keys: {ENV_KEYS}"
+
+
+def test_several_errors_from_set_name_the_validate_line_with_the_same_overrides(tmp_path):
+    # the errors are in the overrides: `ppo validate RECIPE --all-errors` alone would list none of them
+    path = write(tmp_path, BASE)
+    err = error(path, ["ppo.kl_coef=x", "name=my run", "ppo.cliprange=y"])
+    assert err.message == (
+        "--set name: invalid value 'my run' (and 2 more errors; run "
+        f"`ppo validate {path} --set ppo.kl_coef=x --set 'name=my run' --set ppo.cliprange=y --all-errors` for all)"
+    )
