@@ -59,6 +59,12 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     given = {"messages"} if recipe.environment is not None else set()
     check_reward_columns(recipe.reward, rows, given, import_functions=import_functions)
     if recipe.environment is not None:
+        from ppo_cli.model_refs import has_chat_template
+
+        if has_chat_template(recipe.policy.path) is False:  # read from its files: before any model loads
+            from ppo_cli.engine.envs.episode import no_chat_template_error
+
+            raise no_chat_template_error(recipe.policy.path)
         check_environment_code(recipe.environment, import_code=import_functions)
     check_lora_targets(recipe)
     return prompts, eval_prompts

@@ -164,3 +164,40 @@ def test_train_imports_the_environments_code_before_any_model_loads(tmp_path):
     assert err.value.message == f"environment class '{tmp_path}/code.py:NoStep' is not a class with reset and step"
     check_environment_code(environment("  type: python\n  class: {dir}/code.py:Game\n"), import_code=True)
     check_environment_code(environment("  type: tools\n  tools: [{dir}/code.py:calculate]\n"), import_code=True)
+
+
+def test_an_environment_with_a_policy_without_a_chat_template_is_one_line(tmp_path, chatml, monkeypatch):
+    """Each turn is rendered by the policy's chat template: a base model without one is refused in one line,
+    before loading from its files (validate, train), and by the sampler for a model given on the command line
+    (it was 'unexpected ValueError: Cannot use chat template functions ...: this is a bug')."""
+    import copy
+    import json
+
+    from ppo_cli.commands.validate import check_recipe_files
+    from ppo_cli.engine.envs.environments import EnvironmentFactory
+    from ppo_cli.engine.envs.multi_turn import MultiTurnSampler
+    from ppo_cli.errors import EXIT_USAGE, EnvironmentSetupError
+    from ppo_cli.recipe import EnvironmentConfig
+    from tests.conftest import ROOT
+
+    model = tmp_path / "base"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    monkeypatch.chdir(tmp_path)  # the BASE recipe's files are relative
+    (tmp_path / "prompts.txt").write_text("hello\n")
+    (tmp_path / "rewards.py").write_text("def length_reward(prompts, responses):\n    return [0.0 for _ in responses]\n")
+    recipe = load_recipe(write(tmp_path, BASE + GUESS.replace("recipes/envs/guess.py", f"{ROOT}/recipes/envs/guess.py")),
+                         [f"policy.path={model}"])
+    message = f"environment: an episode of several turns is rendered with the policy's chat template, but '{{}}' has none"
+    hint = "use a chat model (a tokenizer with a chat template) as policy.path, e.g. models/tiny-tools/policy"
+    with pytest.raises(EnvironmentSetupError) as err:
+        check_recipe_files(recipe)
+    assert (err.value.message, err.value.hint, err.value.exit_code) == (message.format(model), hint, EXIT_USAGE)
+
+    plain = copy.deepcopy(chatml)
+    plain.chat_template = None
+    environment = EnvironmentConfig.model_validate({"type": "tools", "tools": [f"{ROOT}/recipes/tools/calculator.py:calculate"]})
+    with pytest.raises(EnvironmentSetupError) as err:
+        MultiTurnSampler(None, EnvironmentFactory(environment), plain, environment, plain.eos_token_id, plain.pad_token_id)
+    assert err.value.message == message.format(plain.name_or_path or "the policy")
