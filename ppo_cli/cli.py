@@ -344,7 +344,7 @@ def rollout(
     with report.progress_bar("rollout", len(prompt_list) * num_samples) as advance:
         result = run_rollout(resolved, model_ref, prompt_list, settings, out, progress=advance, columns=columns,
                              tokens=tokens)
-    report.print_rollout(str(result.out), result.rows, result.prompts, result.model)
+    report.print_rollout(str(result.out), result.rows, result.prompts, result.model, result.env_failed, result.env_failure)
 
 
 @app.command()

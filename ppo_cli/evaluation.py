@@ -214,6 +214,9 @@ def _episode_summary(rows: list[dict]) -> dict:
             "tool_calls": mean([float(r["tool_calls"]) for r in rows]),
             "tool_call_rate": mean([1.0 if r["tool_calls"] else 0.0 for r in rows]),
             "env_failed_rate": mean([1.0 if r["env_failed"] else 0.0 for r in rows]),
+            "env_failed": sum(1 for r in rows if r["env_failed"]),
+            "step_reward": scored_mean([r.get("step_reward") or 0.0 for r in rows if not r["env_failed"]]),
+            "env_failure": next((r["env_failure"] for r in rows if r["env_failed"] and r.get("env_failure")), None),
             "ended_by": {reason: mean([1.0 if r["ended_by"] == reason else 0.0 for r in rows])
                          for reason in ENDED_BY}}
 

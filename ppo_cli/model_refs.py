@@ -34,7 +34,13 @@ def missing_directory_hint(path: str) -> str:
     """How to get a model directory that is not there: the shipped recipes' models/tiny*/ are built."""
     parts = Path(path).parts
     if len(parts) >= 2 and parts[0] == "models" and parts[1].startswith("tiny"):
-        return TINY_MODELS_HINT
+        if Path("scripts/make_tiny_models.py").is_file():  # the repository root: not built yet
+            return TINY_MODELS_HINT
+        # elsewhere (a recipe of one's own, a run's recipe.yaml read from another directory): the path is the
+        # repository's, relative to where ppo runs
+        return (f"the path is relative to the current directory ({Path.cwd()}): run ppo from the repository root "
+                "(python scripts/make_tiny_models.py there builds models/tiny/ and models/tiny-tools/), or give "
+                "an absolute path")
     return "check the path (relative to the current directory)"
 
 
@@ -87,15 +93,24 @@ def check_model_reference(path: str) -> None:
             return  # downloaded before: transformers loads it from the cache
         raise ModelReferenceError(
             f"model '{path}' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)",
-            hint="download it first (`hf download`) or point at a local directory",
+            hint=shipped_model_hint(path) or "download it first (`hf download`) or point at a local directory",
         )
     # Without this, a machine with no network spends a minute in the hub client's retries per file.
     unreachable = hub_unreachable()
     if unreachable and not _in_hub_cache(path):
         raise ModelReferenceError(
             f"model '{path}' is not a local directory, and the hub cannot be reached ({unreachable})",
-            hint="check the spelling of a local path and the network, or download the model first (`hf download`)",
+            hint=shipped_model_hint(path)
+            or "check the spelling of a local path and the network, or download the model first (`hf download`)",
         )
+
+
+def shipped_model_hint(path: str) -> str | None:
+    """models/smollm2, which the SmolLM2 recipes name, reads like a hub id (owner/name): say what writes it."""
+    if Path(path).parts[:1] == ("models",) and Path(path).name.startswith("smollm2"):
+        return ("the SmolLM2 recipes' models/smollm2 is written by python scripts/fetch_smollm2.py, run from the "
+                f"repository root (paths are relative to the current directory, {Path.cwd()})")
+    return None
 
 
 def has_chat_template(path: str) -> bool | None:

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import re
+import shlex
 import types
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
@@ -31,7 +32,7 @@ from ppo_cli.recipe import Recipe
 
 KeyPath = tuple[str, ...]  # ('reward', 'components', '0', 'weight'): list indexes as strings too
 
-_MORE_ERRORS = " (and {n} more error{s}; run `ppo validate {source} --all-errors` for all)"
+_MORE_ERRORS = " (and {n} more error{s}; run `{command}` for all)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,9 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
             f"{source}:{lines[()]}: the recipe must be a mapping of keys (name:, policy:, ...), not a {_yaml_kind(data)}",
             "see the recipes/ directory for examples",
         )
+    overrides = list(overrides)
     data, set_paths = apply_overrides(data, overrides)
-    return validate_recipe(data, source=source, lines=lines, set_paths=set_paths)
+    return validate_recipe(data, source=source, lines=lines, set_paths=set_paths, overrides=overrides)
 
 
 def dump_resolved(recipe: Recipe) -> str:
@@ -85,9 +87,11 @@ def dump_resolved(recipe: Recipe) -> str:
 
 
 def validate_recipe(
-    data: Any, *, source: str = "<recipe>", lines: dict[KeyPath, int] | None = None, set_paths: Iterable[KeyPath] = ()
+    data: Any, *, source: str = "<recipe>", lines: dict[KeyPath, int] | None = None, set_paths: Iterable[KeyPath] = (),
+    overrides: Iterable[str] = (),
 ) -> Recipe:
-    """Validate parsed YAML; errors are located with ``lines`` (key path -> line) and ``set_paths``."""
+    """Validate parsed YAML; errors are located with ``lines`` (key path -> line) and ``set_paths``. ``overrides``:
+    the --set items, repeated in the `ppo validate ... --all-errors` line that lists every error."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
@@ -95,7 +99,8 @@ def validate_recipe(
     more = len(problems) - 1
     message = str(problems[0])
     if more:
-        message += _MORE_ERRORS.format(n=more, s="s" if more > 1 else "", source=source)
+        command = shlex.join(["ppo", "validate", source, *(a for item in overrides for a in ("--set", item)), "--all-errors"])
+        message += _MORE_ERRORS.format(n=more, s="s" if more > 1 else "", command=command)
     raise RecipeValidationError(message, problems[0].hint, problems)
 
 
@@ -363,7 +368,7 @@ def _walk_loc(loc: tuple) -> _Where:
             where.tp, where.union_member = None, True
             continue
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            where.owner, where.field = tp, tp.model_fields.get(str(item))
+            where.owner, where.field = tp, _keyed_fields(tp).get(str(item))
             where.tp = where.field.annotation if where.field else None
         elif get_origin(tp) in (list, dict):
             where.tp = get_args(tp)[-1]
@@ -382,7 +387,7 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         hint = f"add `{leaf}:` under `{parent}:`" if parent else f"add `{leaf}:` at the top level"
         return "missing required key", hint + (f" — {description}" if description else "")
     if kind == "extra_forbidden":
-        allowed = list(where.owner.model_fields) if where.owner is not None else []
+        allowed = list(_keyed_fields(where.owner)) if where.owner is not None else []
         close = difflib.get_close_matches(leaf, allowed, n=1)
         hint = (f"did you mean '{close[0]}'? " if close else "") + f"allowed keys: {', '.join(allowed)}"
         return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), hint
@@ -501,13 +506,19 @@ def _fields_of(tp: Any, node: Any) -> dict[str, FieldInfo] | None:
     """The fields allowed at a mapping of type ``tp``: a model's, or for a discriminated union the
     member named by the node's ``type`` (all members' fields when it has none). None: not a model."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return dict(tp.model_fields)
+        return _keyed_fields(tp)
     if _is_discriminated(tp):
         member = _member_for_tag(tp, node.get("type")) if isinstance(node, dict) else None
         if member is not None:
-            return dict(member.model_fields)
-        return {name: f for m in _members(tp) for name, f in m.model_fields.items()}
+            return _keyed_fields(member)
+        return {name: f for m in _members(tp) for name, f in _keyed_fields(m).items()}
     return None
+
+
+def _keyed_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key a recipe writes: the alias where there is one (environment.class, the
+    field class_), else the field's name."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _is_str_type(tp: Any) -> bool:

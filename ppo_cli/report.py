@@ -4,6 +4,7 @@ Takes plain data only (dicts, lists, numbers, strings)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 from rich.console import Console
@@ -202,7 +203,7 @@ def progress_bar(description: str, total: int):
 
 
 def _signed(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:+.{digits}f}"
+    return "n/a" if value is None or math.isnan(value) else f"{value:+.{digits}f}"  # nan: no row had one
 
 
 def _eos(finished: bool) -> str:
@@ -214,8 +215,18 @@ def _say(message: str) -> None:
     console.print(Text(message), soft_wrap=True)
 
 
-def print_rollout(out: str, rows: int, prompts: int, model: str) -> None:
+def print_rollout(out: str, rows: int, prompts: int, model: str, env_failed: int = 0,
+                  env_failure: str | None = None) -> None:
     _say(f"wrote {rows} rows ({prompts} prompts) from {model} to {out}")
+    if env_failed:
+        _say(env_failure_line(env_failed, rows, env_failure))
+
+
+def env_failure_line(failed: int, episodes: int, first: str | None) -> str:
+    """Episodes of several turns whose environment failed (no reward; training leaves them out of the
+    update), with the first one's failure: otherwise only a rate says so."""
+    return (f"note: the environment failed in {failed} of {episodes} episodes (env_failed: no reward)"
+            + (f"; the first: {first}" if first else ""))
 
 
 def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0) -> None:
@@ -227,11 +238,13 @@ def print_score(out: str, rows: int, mean_reward: float, components: dict[str, f
 def _metric_rows(summary: dict) -> list[tuple[str, str]]:
     reward = summary["reward"]
     rows = [("mean reward", _signed(reward["mean"], 3)), ("median reward", _signed(reward["median"], 3)),
-            ("std reward", f"{reward['std']:.3f}"), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
+            ("std reward", "n/a" if math.isnan(reward["std"]) else f"{reward['std']:.3f}"), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
             ("EOS rate", f"{summary['eos_rate']:.0%}"), ("mean response length", f"{summary['response_length']:.1f} tokens"),
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
     rows += [(f"  {name}", _signed(value, 3)) for name, value in summary["reward_components"].items()]
+    if "step_reward" in summary:  # the episodes' reward adds their steps' (the mean reward's other part)
+        rows.append(("  environment steps", _signed(summary["step_reward"], 3)))
     if "turns" in summary:  # episodes of several turns
         rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}"),
                  ("environment failed", f"{summary['env_failed_rate']:.0%}")]
@@ -259,6 +272,8 @@ def print_eval(summary: dict, out: str | None = None, replaced: bool = False) ->
          f"seed {summary['seed']}, recipe {summary['recipe']}")
     if summary["kl"] is not None and summary["kl"] < 0:
         _say(KL_BELOW_ZERO)
+    if summary.get("env_failed"):
+        _say(env_failure_line(summary["env_failed"], summary["num_prompts"] * summary["num_samples"], summary.get("env_failure")))
     if out:
         _say(f"wrote {out}" + (" (replacing the previous file)" if replaced else ""))
 
@@ -303,7 +318,7 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
     return [
         ("mean reward", _signed(a["reward"]["mean"]), _signed(b["reward"]["mean"]),
          _signed(difference["mean_reward_diff"]), f"[{_signed(low)}, {_signed(high)}]"),
-        ("win rate of B", "", "", f"{difference['win_rate_b']:.0%}", ""),
+        ("win rate of B", "", "", "n/a" if math.isnan(difference["win_rate_b"]) else f"{difference['win_rate_b']:.0%}", ""),
         ("EOS rate", f"{a['eos_rate']:.0%}", f"{b['eos_rate']:.0%}", f"{(b['eos_rate'] - a['eos_rate']) * 100:+.0f} pts", ""),
         ("mean length", f"{a['response_length']:.1f}", f"{b['response_length']:.1f}",
          _signed(b["response_length"] - a["response_length"], 1), ""),
@@ -311,7 +326,9 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
         ("distinct-1 / -2", f"{a['distinct_1']:.2f} / {a['distinct_2']:.2f}", f"{b['distinct_1']:.2f} / {b['distinct_2']:.2f}", "", ""),
     ] + ([("mean turns", f"{a['turns']:.2f}", f"{b['turns']:.2f}", _signed(b["turns"] - a["turns"], 2), ""),
           ("tool-call rate", f"{a['tool_call_rate']:.0%}", f"{b['tool_call_rate']:.0%}",
-           f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else [])
+           f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else []) + (
+        [("environment failed", f"{a['env_failed_rate']:.0%}", f"{b['env_failed_rate']:.0%}", "", "")]
+        if a.get("env_failed") or b.get("env_failed") else [])
 
 
 def _summary_footnote(a: dict, difference: dict) -> str:
@@ -339,6 +356,9 @@ def print_compare(a: dict, b: dict, difference: dict, pairs: list[dict], files: 
     console.print(Text(_summary_footnote(a, difference), style="dim"))
     if any(s["kl"] is not None and s["kl"] < 0 for s in (a, b)):
         _say(KL_BELOW_ZERO)
+    for side, s in (("A", a), ("B", b)):
+        if s.get("env_failed"):
+            _say(f"{side}: " + env_failure_line(s["env_failed"], s["num_prompts"] * s["num_samples"], s.get("env_failure")))
     for path in files:
         _say(f"wrote {path}")
 

@@ -46,8 +46,6 @@ def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollo
     """Stop when no episode of the update has a reward (on any process): nothing to learn from, and
     the server or judge that failed is named. Critic-free estimators compare a completion with its
     group, so a group with one episode unscored leaves the update whole."""
-    from ppo_cli.errors import RESUME, RewardServerError
-
     if rollout.scored is None:
         return rollout
     scored = rollout.scored
@@ -56,7 +54,23 @@ def check_rewards(rollout: Rollout, state: TrainState, group_size: int) -> Rollo
     if state.dist.any(bool(scored.any())):
         return rollout._replace(scored=scored)
     failures = [f for part in state.dist.gather_objects(rollout.reward_failures or {}) for f in part.values() if f]
-    raise RewardServerError(
-        f"update {state.step + 1}: no completion got a reward: {failures[0] if failures else 'every group had a failure'}",
-        hint=f"the checkpoints written so far are intact; once the reward answers again, continue with {RESUME}",
+    raise no_reward_error(state.step + 1, failures, rollout.episodes)
+
+
+def no_reward_error(update: int, failures: list[str], episodes=None):
+    """The line that stops a run whose update has no reward: the reward's failure, or, when every episode's
+    environment failed (episodes of several turns, run in one process), the environment's: the fix is there.
+    In update 1 nothing is kept (train.py discards a run stopped before its first update): start again."""
+    from ppo_cli.errors import RESUME, RewardServerError
+
+    then = ("run the same ppo train again (the run stopped in its first update, so nothing was kept)" if update == 1
+            else f"continue with {RESUME} (the checkpoints written so far are intact)")
+    if episodes and all(e.failed for e in episodes):
+        first = next((e.failure for e in episodes if e.failure), "no failure line")
+        return RewardServerError(f"update {update}: every episode's environment failed: {first}",
+                                 hint=f"fix the environment (ppo rollout writes each episode's env_failure), then {then}")
+    return RewardServerError(
+        f"update {update}: no completion got a reward: {failures[0] if failures else 'every group had a failure'}",
+        hint=(f"the checkpoints written so far are intact; once the reward answers again, continue with {RESUME}"
+              if update > 1 else f"once the reward answers, {then}"),
     )

@@ -20,6 +20,8 @@ class RolloutResult:
     rows: int
     prompts: int
     model: str  # the reference, described for people
+    env_failed: int = 0  # episodes of several turns whose environment failed
+    env_failure: str | None = None  # the first one's failure
 
 
 def release(engine) -> None:
@@ -54,4 +56,6 @@ def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: Samp
         for i, row in enumerate(rows):
             row["columns"] = {name: values[i] for name, values in found.items() if values[i] is not None}
     write_jsonl_atomic(out, rows)
-    return RolloutResult(Path(out), len(rows), len(prompts), model.describe())
+    failed = [row for row in rows if row.get("env_failed")]
+    return RolloutResult(Path(out), len(rows), len(prompts), model.describe(), len(failed),
+                         next((row["env_failure"] for row in failed if row.get("env_failure")), None))

@@ -58,8 +58,62 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     # an episode's transcript is a column too, with an environment (Engine.episode_columns)
     given = {"messages"} if recipe.environment is not None else set()
     check_reward_columns(recipe.reward, rows, given, import_functions=import_functions)
+    if recipe.environment is not None:
+        from ppo_cli.model_refs import has_chat_template
+
+        if has_chat_template(recipe.policy.path) is False:  # read from its files: before any model loads
+            from ppo_cli.engine.envs.episode import no_chat_template_error
+
+            raise no_chat_template_error(recipe.policy.path)
+        check_environment_code(recipe.environment, import_code=import_functions)
     check_lora_targets(recipe)
     return prompts, eval_prompts
+
+
+def check_environment_code(environment, import_code: bool = False) -> None:
+    """The files of the environment's tools (type tools) or class (type python). ``import_code`` (train):
+    imported and checked as the engine will (schemas, reset and step), so a missing or unusable one is one
+    line before any model loads, not after. Else (validate): each file is there and defines the name, read,
+    not run, as for reward functions."""
+    import ast
+    import difflib
+
+    from ppo_cli.errors import EnvironmentSetupError
+
+    if import_code:
+        from ppo_cli.engine.envs.environments import EnvironmentFactory
+
+        EnvironmentFactory(environment)  # imports the tools or the class; the engine builds its own
+        return
+    what = "tool" if environment.type == "tools" else "environment class"
+    specs = environment.tools if environment.type == "tools" else [environment.class_] if environment.type == "python" else []
+    for spec in specs:
+        target, _, name = spec.rpartition(":")
+        if not target.endswith(".py"):
+            continue  # a module: imported when training
+        path = Path(target)
+        if not path.is_file():
+            raise EnvironmentSetupError(f"{what} file not found: {target}",
+                                        hint=f"paths are relative to the current directory ({Path.cwd()})")
+        try:
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+        except SyntaxError as err:
+            line = f":{err.lineno}" if err.lineno else ""
+            raise EnvironmentSetupError(f"{path}{line}: Python syntax error: {err.msg}",
+                                        hint=f"python -m py_compile {path} shows the error in full") from None
+        except (ValueError, OSError):
+            continue  # importing it says what is wrong, when training
+        defined = {node.name for node in tree.body
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+        defined |= {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for a in node.names}
+        if name not in defined:
+            close = difflib.get_close_matches(name, sorted(defined), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else (
+                f"define {name} in {target}" if environment.type == "tools"
+                else f"define class {name} with reset(self, row, seed) and step(self, message)")
+            raise EnvironmentSetupError(f"'{target}' has no {what} '{name}'", hint=hint)
 
 
 def check_lora_targets(recipe: Recipe) -> None:

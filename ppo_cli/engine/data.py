@@ -130,8 +130,17 @@ def _pick_column(columns: Iterable[str], field_name: str | None, where: str, kin
     column = next((c for c in wanted if c in columns), None)
     if column is None:
         named = f"'{field_name}'" if field_name else "'prompt' or 'messages'"
-        raise DataError(f"{where}: no {named} {kind} ({kind}s: {', '.join(columns) or 'none'})", hint=_FIELD_HINT)
+        raise DataError(f"{where}: no {named} {kind} ({kind}s: {', '.join(columns) or 'none'})",
+                        hint=_field_hint(field_name, columns))
     return column
+
+
+def _field_hint(field_name: str | None, columns: list[str]) -> str:
+    """The hint for a prompt column not found: the close column name when data.field is misspelt."""
+    import difflib
+
+    close = difflib.get_close_matches(field_name, columns, n=1) if field_name else []
+    return f"did you mean data.field: {close[0]} (or --field {close[0]})?" if close else _FIELD_HINT
 
 
 # --- sources -------------------------------------------------------------------------------------

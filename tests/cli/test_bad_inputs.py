@@ -334,18 +334,27 @@ def test_lora_target_modules_the_policy_lacks_are_named_beside_its_linear_module
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("path, hint", [
+OUTSIDE_ROOT = ("the path is relative to the current directory ({cwd}): run ppo from the repository root (python "
+                "scripts/make_tiny_models.py there builds models/tiny/ and models/tiny-tools/), or give an absolute path")
+
+
+@pytest.mark.parametrize("path, hint, in_root", [
     ("models/tiny-tools/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
-     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)", True),
     ("./models/tiny/policy", "build the tiny models: python scripts/make_tiny_models.py, from the repository root (it "
-     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)"),
-    ("mine/models/policy", "check the path (relative to the current directory)"),
+     "writes models/tiny/ and models/tiny-tools/; scripts/demo.sh builds models/tiny/ only)", True),
+    ("models/tiny-tools/policy", OUTSIDE_ROOT, False),  # run from elsewhere: the models may well be built
+    ("mine/models/policy", "check the path (relative to the current directory)", False),
 ])
-def test_a_missing_tiny_model_says_how_to_build_it(path, hint, stub_models, tmp_path, monkeypatch):
+def test_a_missing_tiny_model_says_how_to_build_it(path, hint, in_root, stub_models, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    if in_root:  # a checkout's root: its scripts/ is there
+        (tmp_path / "scripts").mkdir()
+        (tmp_path / "scripts" / "make_tiny_models.py").write_text("")
     result = runner.invoke(app, ["validate", Env(tmp_path, stub_models).recipe(_edit("policy.path", path))])
     assert result.exit_code == EXIT_USAGE, result.output
-    assert result.stderr.splitlines() == [f"error: policy.path: model directory not found: {path}", f"hint: {hint}"]
+    assert result.stderr.splitlines() == [f"error: policy.path: model directory not found: {path}",
+                                          f"hint: {hint.format(cwd=tmp_path)}"]
 
 
 def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):

@@ -63,3 +63,23 @@ def test_the_help_says_what_score_and_train_do():
     assert "--run <path> Run directory whose recipe.yaml gives the reward (without --recipe)." in words("score")
     assert "base/aligned" not in words("score") and "model's run" not in words("score")
     assert "(PPO, or GRPO, RLOO or REINFORCE++ by ppo.advantage)" in words("train")
+
+
+def test_episodes_of_several_turns_show_their_steps_rewards_beside_the_components(tmp_path):
+    """An episode's reward is its components' plus its steps' rewards: the summary names both parts, so that
+    the mean reward is their sum (it was shown beside the components alone); a failed episode has none."""
+    from ppo_cli.commands.score import STEP_REWARDS, run
+
+    (tmp_path / "reward.py").write_text("def half(prompts, responses):\n    return [0.5 for _ in responses]\n")
+    episode = {"prompt": [{"role": "user", "content": "guess"}], "response": "3", "finished": True,
+               "response_tokens": 1, "messages": [], "turns": 2, "tool_calls": 0, "ended_by": "done"}
+    rows = tmp_path / "rollouts.jsonl"
+    rows.write_text("".join(json.dumps({**episode, **extra}) + "\n" for extra in (
+        {"step_reward": 1.0, "env_failed": False}, {"step_reward": None, "env_failed": False},
+        {"step_reward": None, "env_failed": True, "env_failure": "environment g.py:G.step raised KeyError: 'x'"})))
+    recipe = load_recipe(ROOT / "recipes" / "tiny_grpo.yaml", tiny_overrides(tmp_path, tmp_path, **{
+        "reward.components": f"[{{type: function, function: {tmp_path / 'reward.py'}:half}}]"}))
+    result = run(recipe, rows, tmp_path / "scored.jsonl")
+    assert result.components == {"half": 0.5, "missing_eos_penalty": 0.0, STEP_REWARDS: 0.5}
+    assert result.mean_reward == pytest.approx(1.0)  # (1.5 + 0.5) / 2: the failed episode has no reward
+    assert result.failed == 1

@@ -83,6 +83,17 @@ def test_unknown_column_lists_the_columns(tmp_path):
     assert str(err.value) == f"{path}: no 'text' column (columns: question, id)"
 
 
+def test_a_misspelt_field_gets_the_close_column_as_its_hint(tmp_path):
+    path = _jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2 + 3?", "answer": "#### 5"}])
+    with pytest.raises(DataError) as err:
+        read_prompts(path, "questions")
+    assert err.value.message == f"{path}:1: no 'questions' field (fields: answer, question)"
+    assert err.value.hint == "did you mean data.field: question (or --field question)?"
+    with pytest.raises(DataError) as err:  # nothing close: the general hint
+        read_prompts(path, "xyz")
+    assert err.value.hint == "name the prompt column with data.field in the recipe (or --field)"
+
+
 def test_bad_conversation_row_names_its_line_or_row(tmp_path):
     bad = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     path = _jsonl(tmp_path / "p.jsonl", [{"messages": [USER]}, {"messages": bad}])

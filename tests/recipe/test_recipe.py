@@ -470,3 +470,38 @@ def test_pure_bf16_weights_validate_with_mixed_precision_auto_or_no(tmp_path, se
     path.write_text(path.read_text().replace("  path: tiny/policy\n", "  path: tiny/policy\n  dtype: bfloat16\n"))
     recipe = load_recipe(path)
     assert (recipe.policy.dtype, recipe.train.mixed_precision) == ("bfloat16", setting)
+
+
+ENV_KEYS = ("type, tools, class, kwargs, url, headers, timeout_s, retries, retry_backoff_s, max_turns, "
+            "max_episode_tokens, max_observation_tokens, max_concurrency, overlap, tool_call_format, on_failure")
+
+
+def test_set_environment_class_reaches_the_field_written_class(tmp_path):
+    # the field is class_ (a Python keyword), written `class` in a recipe: --set takes the recipe's key
+    path = write(tmp_path, BASE + "environment: {type: python, class: a.py:Game}\n")
+    recipe = load_recipe(path, ["environment.class=b.py:Other"])
+    assert recipe.environment.class_ == "b.py:Other"
+
+
+def test_set_environment_class_underscore_suggests_class(tmp_path):
+    path = write(tmp_path, BASE + "environment: {type: python, class: a.py:Game}\n")
+    err = error(path, ["environment.class_=b.py:Other"])
+    assert err.message == f"--set environment.class_=b.py:Other: unknown key 'class_' in environment; allowed: {ENV_KEYS}"
+    assert err.hint == "did you mean 'class'?"
+
+
+def test_environment_class_underscore_in_the_file_suggests_class(tmp_path):
+    path = write(tmp_path, BASE + "environment: {type: python, class: a.py:Game, class_: b.py:B}\n")
+    err = error(path)
+    assert err.message.endswith("environment.class_: unknown key 'class_' in environment")
+    assert err.hint == f"did you mean 'class'? allowed keys: {ENV_KEYS}"
+
+
+def test_several_errors_from_set_name_the_validate_line_with_the_same_overrides(tmp_path):
+    # the errors are in the overrides: `ppo validate RECIPE --all-errors` alone would list none of them
+    path = write(tmp_path, BASE)
+    err = error(path, ["ppo.kl_coef=x", "name=my run", "ppo.cliprange=y"])
+    assert err.message == (
+        "--set name: invalid value 'my run' (and 2 more errors; run "
+        f"`ppo validate {path} --set ppo.kl_coef=x --set 'name=my run' --set ppo.cliprange=y --all-errors` for all)"
+    )

@@ -225,6 +225,24 @@ def test_offline_hub_refuses_only_what_is_not_cached(value, tmp_path: Path, monk
     check_model_reference("someone/adapter")  # an adapter repo has no config.json
 
 
+def test_a_missing_models_smollm2_says_which_script_writes_it(tmp_path: Path, monkeypatch):
+    """models/smollm2 (the SmolLM2 recipes' policy.path) reads like a hub id: offline, the hint names the
+    script that writes it instead of `hf download`; another hub id keeps the general hint."""
+    from ppo_cli.model_refs import check_model_reference
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda repo, name: None)
+    with pytest.raises(ModelReferenceError) as err:
+        check_model_reference("models/smollm2")
+    assert err.value.message == "model 'models/smollm2' is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)"
+    assert err.value.hint == ("the SmolLM2 recipes' models/smollm2 is written by python scripts/fetch_smollm2.py, run "
+                              f"from the repository root (paths are relative to the current directory, {tmp_path})")
+    with pytest.raises(ModelReferenceError) as err:
+        check_model_reference("someone/model")
+    assert err.value.hint == "download it first (`hf download`) or point at a local directory"
+
+
 def _write_final(target: Path, text: str) -> None:
     from ppo_cli.checkpoint import atomic_directory
 

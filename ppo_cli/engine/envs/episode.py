@@ -30,6 +30,14 @@ REWRITES_HINT = ("give the tokenizer a chat template that renders every turn ver
                  "(Qwen3's drops earlier <think> blocks: use one that keeps them), e.g. in chat_template.jinja")
 
 
+def no_chat_template_error(path: str) -> EnvironmentSetupError:
+    """An episode's turns are the chat template's rendering: a policy without one cannot run them."""
+    return EnvironmentSetupError(
+        f"environment: an episode of several turns is rendered with the policy's chat template, but '{path}' has none",
+        hint="use a chat model (a tokenizer with a chat template) as policy.path, e.g. models/tiny-tools/policy",
+    )
+
+
 class TemplateRewrites(Exception):
     """The chat template rendered an earlier part of a conversation differently once more followed."""
 

@@ -38,6 +38,7 @@ from ppo_cli.engine.envs.episode import (
     check_template_round_trip,
     cut_observation,
     encode,
+    no_chat_template_error,
     observation_ids,
     render,
     sample_conversations,
@@ -129,7 +130,9 @@ class MultiTurnSampler:
         self.pad_token_id = pad_token_id
         self.stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False)
         self.tools = tool_schemas(factory.tools) or None  # what the template shows (type tools)
-        # Refused here, before any episode runs: a tool format not read, a template that rewrites history.
+        # Refused here, before any episode runs: no template, a tool format not read, a template that rewrites history.
+        if not getattr(tokenizer, "chat_template", None):
+            raise no_chat_template_error(getattr(tokenizer, "name_or_path", "") or "the policy")
         self.tool_call_format = (resolve_tool_call_format(tokenizer, environment.tool_call_format)
                                  if environment.type == "tools" else environment.tool_call_format)
         check_template_round_trip(tokenizer, sample_conversations(factory.observation_role), stop_token_id, self.tools)

@@ -85,3 +85,119 @@ def test_an_environment_reads_each_prompts_row_in_the_inference_commands_too(tmp
     assert _rows_of_prompts(recipe, None, None)([prompt]) == {"answer": ["72"]}  # the recipe's eval rows
     given = PromptColumns([read_recipe_prompts(recipe.data, "eval_prompts")])
     assert _rows_of_prompts(recipe, None, given)([prompt]) == {"answer": ["72"]}
+
+
+TOOLS_CODE = '''
+def calculate(expression: str) -> str:
+    """Compute.
+
+    Args:
+        expression: two numbers and an operator
+    """
+    return expression
+
+
+def undocumented(expression):
+    return expression
+
+
+class Game:
+    def reset(self, row, seed):
+        return None
+
+    def step(self, message):
+        return {"observation": None, "reward": 1.0, "done": True}
+
+
+class NoStep:
+    def reset(self, row, seed):
+        return None
+'''
+
+
+@pytest.mark.parametrize("section, message, hint", [
+    ("  type: tools\n  tools: [{dir}/code.py:calc]\n", "'{dir}/code.py' has no tool 'calc'", "did you mean 'calculate'?"),
+    ("  type: tools\n  tools: [{dir}/nope.py:calculate]\n", "tool file not found: {dir}/nope.py",
+     "paths are relative to the current directory ({cwd})"),
+    ("  type: python\n  class: {dir}/code.py:Gmae\n", "'{dir}/code.py' has no environment class 'Gmae'", "did you mean 'Game'?"),
+    ("  type: python\n  class: {dir}/code.py:Board\n", "'{dir}/code.py' has no environment class 'Board'",
+     "define class Board with reset(self, row, seed) and step(self, message)"),
+    ("  type: python\n  class: {dir}/broken.py:Game\n", "{dir}/broken.py:1: Python syntax error: invalid syntax",
+     "python -m py_compile {dir}/broken.py shows the error in full"),
+])
+def test_validate_checks_the_environments_files_and_names_without_running_them(tmp_path, section, message, hint):
+    """`ppo validate` reads the tool and class files as it reads reward function files: there, and defining
+    the name (one line, exit 2), without importing them."""
+    from pathlib import Path
+
+    from ppo_cli.commands.validate import check_environment_code
+    from ppo_cli.errors import EXIT_USAGE, EnvironmentSetupError
+
+    (tmp_path / "code.py").write_text(TOOLS_CODE + "\nraise RuntimeError('imported')\n")  # validate must not run it
+    (tmp_path / "broken.py").write_text("def (:\n")
+    recipe = load_recipe(write(tmp_path, BASE + "environment:\n" + section.format(dir=tmp_path)))
+    with pytest.raises(EnvironmentSetupError) as err:
+        check_environment_code(recipe.environment)
+    assert err.value.message == message.format(dir=tmp_path)
+    assert err.value.hint == hint.format(dir=tmp_path, cwd=Path.cwd())
+    assert err.value.exit_code == EXIT_USAGE
+    fine = "  type: tools\n  tools: [{dir}/code.py:calculate, {dir}/code.py:undocumented]\n"
+    check_environment_code(load_recipe(write(tmp_path, BASE + "environment:\n" + fine.format(dir=tmp_path))).environment)
+
+
+def test_train_imports_the_environments_code_before_any_model_loads(tmp_path):
+    """`ppo train`'s preflight imports the tools or the class (import_code): what only importing shows (no
+    docstring, no step method) is one line before loading, not after."""
+    from ppo_cli.commands.validate import check_environment_code
+    from ppo_cli.errors import EnvironmentSetupError
+
+    (tmp_path / "code.py").write_text(TOOLS_CODE)
+
+    def environment(section):
+        return load_recipe(write(tmp_path, BASE + "environment:\n" + section.format(dir=tmp_path))).environment
+
+    with pytest.raises(EnvironmentSetupError) as err:
+        check_environment_code(environment("  type: tools\n  tools: [{dir}/code.py:undocumented]\n"), import_code=True)
+    assert err.value.message.startswith(f"tool '{tmp_path}/code.py:undocumented' has no JSON schema")
+    with pytest.raises(EnvironmentSetupError) as err:
+        check_environment_code(environment("  type: python\n  class: {dir}/code.py:NoStep\n"), import_code=True)
+    assert err.value.message == f"environment class '{tmp_path}/code.py:NoStep' is not a class with reset and step"
+    check_environment_code(environment("  type: python\n  class: {dir}/code.py:Game\n"), import_code=True)
+    check_environment_code(environment("  type: tools\n  tools: [{dir}/code.py:calculate]\n"), import_code=True)
+
+
+def test_an_environment_with_a_policy_without_a_chat_template_is_one_line(tmp_path, chatml, monkeypatch):
+    """Each turn is rendered by the policy's chat template: a base model without one is refused in one line,
+    before loading from its files (validate, train), and by the sampler for a model given on the command line
+    (it was 'unexpected ValueError: Cannot use chat template functions ...: this is a bug')."""
+    import copy
+    import json
+
+    from ppo_cli.commands.validate import check_recipe_files
+    from ppo_cli.engine.envs.environments import EnvironmentFactory
+    from ppo_cli.engine.envs.multi_turn import MultiTurnSampler
+    from ppo_cli.errors import EXIT_USAGE, EnvironmentSetupError
+    from ppo_cli.recipe import EnvironmentConfig
+    from tests.conftest import ROOT
+
+    model = tmp_path / "base"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    monkeypatch.chdir(tmp_path)  # the BASE recipe's files are relative
+    (tmp_path / "prompts.txt").write_text("hello\n")
+    (tmp_path / "rewards.py").write_text("def length_reward(prompts, responses):\n    return [0.0 for _ in responses]\n")
+    recipe = load_recipe(write(tmp_path, BASE + GUESS.replace("recipes/envs/guess.py", f"{ROOT}/recipes/envs/guess.py")),
+                         [f"policy.path={model}"])
+    message = f"environment: an episode of several turns is rendered with the policy's chat template, but '{{}}' has none"
+    hint = "use a chat model (a tokenizer with a chat template) as policy.path, e.g. models/tiny-tools/policy"
+    with pytest.raises(EnvironmentSetupError) as err:
+        check_recipe_files(recipe)
+    assert (err.value.message, err.value.hint, err.value.exit_code) == (message.format(model), hint, EXIT_USAGE)
+
+    plain = copy.deepcopy(chatml)
+    plain.chat_template = None
+    environment = EnvironmentConfig.model_validate({"type": "tools", "tools": [f"{ROOT}/recipes/tools/calculator.py:calculate"]})
+    with pytest.raises(EnvironmentSetupError) as err:
+        MultiTurnSampler(None, EnvironmentFactory(environment), plain, environment, plain.eos_token_id, plain.pad_token_id)
+    assert err.value.message == message.format(plain.name_or_path or "the policy")
