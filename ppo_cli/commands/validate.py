@@ -75,9 +75,9 @@ def check_environment_code(environment, import_code: bool = False) -> None:
     imported and checked as the engine will (schemas, reset and step), so a missing or unusable one is one
     line before any model loads, not after. Else (validate): each file is there and defines the name, read,
     not run, as for reward functions."""
-    import ast
     import difflib
 
+    from ppo_cli.engine.user_code import defined_names
     from ppo_cli.errors import EnvironmentSetupError
 
     if import_code:
@@ -95,19 +95,9 @@ def check_environment_code(environment, import_code: bool = False) -> None:
         if not path.is_file():
             raise EnvironmentSetupError(f"{what} file not found: {target}",
                                         hint=f"paths are relative to the current directory ({Path.cwd()})")
-        try:
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-        except SyntaxError as err:
-            line = f":{err.lineno}" if err.lineno else ""
-            raise EnvironmentSetupError(f"{path}{line}: Python syntax error: {err.msg}",
-                                        hint=f"python -m py_compile {path} shows the error in full") from None
-        except (ValueError, OSError):
+        defined = defined_names(path, EnvironmentSetupError, f"python -m py_compile {path} shows the error in full")
+        if defined is None:
             continue  # importing it says what is wrong, when training
-        defined = {node.name for node in tree.body
-                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-        defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-        defined |= {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-                    for a in node.names}
         if name not in defined:
             close = difflib.get_close_matches(name, sorted(defined), n=1)
             hint = f"did you mean '{close[0]}'?" if close else (

@@ -67,3 +67,24 @@ def _import_module(target: str, name: str, what: str, error: type[PpoError]):
         raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}", hint=hint) from err
     except Exception as err:  # the user's module raised while importing
         raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}") from err
+
+
+def defined_names(path: Path, error: type[PpoError], syntax_hint: str) -> set[str] | None:
+    """The names a Python file defines at its top level (functions, classes, assignments, imports), read
+    with ``ast`` and not run: what `ppo validate` checks a recipe's names against. A syntax error is
+    raised as ``error`` with ``syntax_hint``; None where the file cannot be parsed for another reason
+    (importing it says what is wrong, when training)."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: a coding cookie is honoured, as on import
+    except SyntaxError as err:
+        line = f":{err.lineno}" if err.lineno else ""
+        raise error(f"{path}{line}: Python syntax error: {err.msg}", hint=syntax_hint) from None
+    except (ValueError, OSError):
+        return None
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for a in node.names}
+    defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    return defined

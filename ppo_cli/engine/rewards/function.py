@@ -49,21 +49,13 @@ def check(component: FunctionReward, contact_servers: bool = True, import_functi
 
 
 def check_defines(path: Path, name: str) -> None:
-    import ast
     import difflib
 
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: a coding cookie is honoured, as on import
-    except SyntaxError as err:
-        line = f":{err.lineno}" if err.lineno else ""
-        raise RewardFunctionError(f"{path}{line}: Python syntax error: {err.msg}",
-                                  hint=f"fix the reward function's file; python -m py_compile {path} shows the error in full") from None
-    except (ValueError, OSError):
-        return  # importing it says what is wrong, when training
-    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-    defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
-    if name not in defined:
+    from ppo_cli.engine.user_code import defined_names
+
+    defined = defined_names(path, RewardFunctionError,
+                            f"fix the reward function's file; python -m py_compile {path} shows the error in full")
+    if defined is not None and name not in defined:
         close = difflib.get_close_matches(name, sorted(defined), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"define def {name}(prompts, responses) -> list[float]"
         raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
