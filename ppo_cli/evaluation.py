@@ -204,19 +204,32 @@ def summarize_rows(rows: list[dict]) -> dict:
     }
 
 
+def env_failures(rows: list[dict]) -> tuple[int, str | None]:
+    """How many episodes' environments failed, and the first one's failure (None: none said why)."""
+    failed = [r for r in rows if r.get("env_failed")]
+    return len(failed), next((r["env_failure"] for r in failed if r.get("env_failure")), None)
+
+
+def mean_step_reward(rows: list[dict]) -> float:
+    """The episodes' own step rewards (the part of their reward no component gives), over those whose
+    environment ran."""
+    return scored_mean([r.get("step_reward") or 0.0 for r in rows if not r.get("env_failed")])
+
+
 def _episode_summary(rows: list[dict]) -> dict:
     """Episodes of several turns: mean turns and tool calls, the share that called a tool, ended each way
     and whose environment failed."""
     from ppo_cli.engine.envs.episode import ENDED_BY
     from ppo_cli.stats import mean
 
+    failed, first_failure = env_failures(rows)
     return {"turns": mean([float(r["turns"]) for r in rows]),
             "tool_calls": mean([float(r["tool_calls"]) for r in rows]),
             "tool_call_rate": mean([1.0 if r["tool_calls"] else 0.0 for r in rows]),
             "env_failed_rate": mean([1.0 if r["env_failed"] else 0.0 for r in rows]),
-            "env_failed": sum(1 for r in rows if r["env_failed"]),
-            "step_reward": scored_mean([r.get("step_reward") or 0.0 for r in rows if not r["env_failed"]]),
-            "env_failure": next((r["env_failure"] for r in rows if r["env_failed"] and r.get("env_failure")), None),
+            "env_failed": failed,
+            "step_reward": mean_step_reward(rows),
+            "env_failure": first_failure,
             "ended_by": {reason: mean([1.0 if r["ended_by"] == reason else 0.0 for r in rows])
                          for reason in ENDED_BY}}
 

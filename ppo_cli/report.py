@@ -202,8 +202,17 @@ def progress_bar(description: str, total: int):
         yield lambda n: progress.advance(task, n)
 
 
+# The label of episodes' own step rewards beside the reward components (no function name has a space).
+STEP_REWARDS = "environment steps"
+
+
+def _number(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``; n/a for None or nan (nothing to average: no row had one)."""
+    return "n/a" if value is None or math.isnan(value) else format(value, spec)
+
+
 def _signed(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:+.{digits}f}"  # nan: no row had one
+    return _number(value, f"+.{digits}f")
 
 
 def _eos(finished: bool) -> str:
@@ -229,6 +238,11 @@ def env_failure_line(failed: int, episodes: int, first: str | None) -> str:
             + (f"; the first: {first}" if first else ""))
 
 
+def _summary_env_failures(summary: dict) -> str:
+    """env_failure_line for an eval summary (evaluation.py's), over all its episodes."""
+    return env_failure_line(summary["env_failed"], summary["num_prompts"] * summary["num_samples"], summary.get("env_failure"))
+
+
 def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0) -> None:
     parts = ", ".join(f"{name} {_signed(value)}" for name, value in components.items())
     unscored = f"; {failed} rows without a reward (null)" if failed else ""
@@ -238,13 +252,13 @@ def print_score(out: str, rows: int, mean_reward: float, components: dict[str, f
 def _metric_rows(summary: dict) -> list[tuple[str, str]]:
     reward = summary["reward"]
     rows = [("mean reward", _signed(reward["mean"], 3)), ("median reward", _signed(reward["median"], 3)),
-            ("std reward", "n/a" if math.isnan(reward["std"]) else f"{reward['std']:.3f}"), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
+            ("std reward", _number(reward["std"], ".3f")), ("min / max reward", f"{_signed(reward['min'])} / {_signed(reward['max'])}"),
             ("EOS rate", f"{summary['eos_rate']:.0%}"), ("mean response length", f"{summary['response_length']:.1f} tokens"),
             ("mean KL to reference", "n/a" if summary["kl"] is None else f"{summary['kl']:.3f}"),
             ("distinct-1 / distinct-2", f"{summary['distinct_1']:.3f} / {summary['distinct_2']:.3f}")]
     rows += [(f"  {name}", _signed(value, 3)) for name, value in summary["reward_components"].items()]
     if "step_reward" in summary:  # the episodes' reward adds their steps' (the mean reward's other part)
-        rows.append(("  environment steps", _signed(summary["step_reward"], 3)))
+        rows.append((f"  {STEP_REWARDS}", _signed(summary["step_reward"], 3)))
     if "turns" in summary:  # episodes of several turns
         rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}"),
                  ("environment failed", f"{summary['env_failed_rate']:.0%}")]
@@ -273,7 +287,7 @@ def print_eval(summary: dict, out: str | None = None, replaced: bool = False) ->
     if summary["kl"] is not None and summary["kl"] < 0:
         _say(KL_BELOW_ZERO)
     if summary.get("env_failed"):
-        _say(env_failure_line(summary["env_failed"], summary["num_prompts"] * summary["num_samples"], summary.get("env_failure")))
+        _say(_summary_env_failures(summary))
     if out:
         _say(f"wrote {out}" + (" (replacing the previous file)" if replaced else ""))
 
@@ -318,7 +332,7 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
     return [
         ("mean reward", _signed(a["reward"]["mean"]), _signed(b["reward"]["mean"]),
          _signed(difference["mean_reward_diff"]), f"[{_signed(low)}, {_signed(high)}]"),
-        ("win rate of B", "", "", "n/a" if math.isnan(difference["win_rate_b"]) else f"{difference['win_rate_b']:.0%}", ""),
+        ("win rate of B", "", "", _number(difference["win_rate_b"], ".0%"), ""),
         ("EOS rate", f"{a['eos_rate']:.0%}", f"{b['eos_rate']:.0%}", f"{(b['eos_rate'] - a['eos_rate']) * 100:+.0f} pts", ""),
         ("mean length", f"{a['response_length']:.1f}", f"{b['response_length']:.1f}",
          _signed(b["response_length"] - a["response_length"], 1), ""),
@@ -358,7 +372,7 @@ def print_compare(a: dict, b: dict, difference: dict, pairs: list[dict], files: 
         _say(KL_BELOW_ZERO)
     for side, s in (("A", a), ("B", b)):
         if s.get("env_failed"):
-            _say(f"{side}: " + env_failure_line(s["env_failed"], s["num_prompts"] * s["num_samples"], s.get("env_failure")))
+            _say(f"{side}: " + _summary_env_failures(s))
     for path in files:
         _say(f"wrote {path}")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_cli.evaluation import Progress, SamplingSettings, sample_rows
+from ppo_cli.evaluation import Progress, SamplingSettings, env_failures, sample_rows
 from ppo_cli.model_refs import ResolvedModel
 from ppo_cli.recipe import Recipe
 
@@ -56,6 +56,4 @@ def run(recipe: Recipe, model: ResolvedModel, prompts: list[str], settings: Samp
         for i, row in enumerate(rows):
             row["columns"] = {name: values[i] for name, values in found.items() if values[i] is not None}
     write_jsonl_atomic(out, rows)
-    failed = [row for row in rows if row.get("env_failed")]
-    return RolloutResult(Path(out), len(rows), len(prompts), model.describe(), len(failed),
-                         next((row["env_failure"] for row in failed if row.get("env_failure")), None))
+    return RolloutResult(Path(out), len(rows), len(prompts), model.describe(), *env_failures(rows))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
 from ppo_cli.errors import DataError
-from ppo_cli.evaluation import score_rows, scored_mean
+from ppo_cli.evaluation import mean_step_reward, score_rows, scored_mean
+from ppo_cli.report import STEP_REWARDS
 from ppo_cli.recipe import Recipe
 
 
@@ -25,7 +26,6 @@ class ScoreRunResult:
     failed: int = 0  # rows without a reward (a component failed to score them)
 
 
-STEP_REWARDS = "environment steps"  # the label of the steps' rewards beside the components (no function has a space)
 ROLLOUTS_HINT = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
 MISSING_HINT = "give a file written by `ppo rollout MODEL --out FILE`"
 
@@ -80,6 +80,6 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     names = list(scored[0]["reward_components"])
     components = {name: scored_mean([r["reward_components"][name] for r in scored]) for name in names}
     if "step_reward" in scored[0]:  # episodes of several turns: their reward adds the environment's step rewards
-        components[STEP_REWARDS] = scored_mean([r.get("step_reward") or 0.0 for r in scored if not r.get("env_failed")])
+        components[STEP_REWARDS] = mean_step_reward(scored)
     failed = sum(r["reward"] is None for r in scored)
     return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed)
