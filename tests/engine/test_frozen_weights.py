@@ -58,3 +58,61 @@ def test_frozen_linears_stay_float32_without_mixed_precision(tiny_models, tmp_pa
     engine = load_engine(recipe)
     assert engine.store_frozen_weights_in_compute_dtype() == 0
     assert {p.dtype for p in engine.actor_critic.policy.parameters()} == {torch.float32}
+
+
+CONVERT = r"""
+import json, sys, torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+import ppo_cli.engine.frozen_weights as frozen_weights
+
+def high_water_kb():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+
+if sys.argv[2] == "keep":  # as before: every float32 page stays resident until the last tensor is replaced
+    frozen_weights.drop_checkpoint_pages = lambda tensor, mappings: None
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+scale = 2.0 if sys.argv[2] == "written" else 1.0
+if sys.argv[2] == "written":  # a weight changed in place: its mapping's pages are the only copy of the change
+    model.model.layers[1].self_attn.q_proj.weight.data.mul_(scale)
+model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+mapped = len(frozen_weights.unwritten_checkpoint_mappings())
+before = high_water_kb()
+frozen_weights.store_frozen_linears_in(model, torch.bfloat16)
+grown = high_water_kb() - before
+expected = load_file(sys.argv[1] + "/model.safetensors")
+q_proj = model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight
+norm = model.base_model.model.model.layers[1].input_layernorm.weight
+same = (torch.equal(q_proj, (scale * expected["model.layers.1.self_attn.q_proj.weight"]).to(torch.bfloat16))
+        and torch.equal(norm, expected["model.layers.1.input_layernorm.weight"]))
+print(json.dumps({"mapped": mapped, "grown_mb": grown / 1024, "same": same}))
+"""
+
+
+def test_the_float32_pages_leave_as_each_weight_is_converted_not_at_the_end(tmp_path):
+    """Converting a memory-mapped float32 checkpoint's Linears to bf16 used to hold the whole float32 model
+    and its bf16 copy at once (each source page stayed resident until the last tensor was replaced); each
+    source's pages are now dropped when it is replaced, so the high-water mark grows by about the bf16 copy."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=1000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
+    linear_mb = 4 * (4 * 512 * 512 + 3 * 512 * 2048) * 4 / 2**20  # the float32 Linears: 64 MiB
+
+    def convert(mode: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", CONVERT, str(tmp_path / "model"), mode], capture_output=True,
+                              text=True, cwd=ROOT, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    dropped, kept, written = convert("drop"), convert("keep"), convert("written")
+    assert dropped["mapped"] == 1 and dropped["same"] and kept["same"]
+    assert written["mapped"] == 0 and written["same"]  # nothing dropped where a page was written
+    assert kept["grown_mb"] > 1.3 * linear_mb  # float32 and bf16 at once: 1.5x
+    assert dropped["grown_mb"] < 0.75 * linear_mb  # the bf16 copy (0.5x) and one tensor in flight
