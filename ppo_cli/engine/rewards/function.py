@@ -175,12 +175,22 @@ class FunctionScorer:
                                     hint="fix the function; run again with --debug for its traceback")
 
     def _checked(self, values, count: int) -> list[float | None]:
+        one_each = "return a list with one number (or None) per response, in the order given"
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+            raise RewardFunctionError(f"reward function '{self.spec}' returned {type(values).__name__}, not a list of numbers",
+                                      hint=one_each)
+        values = list(values)
+        text = next((i for i, v in enumerate(values) if isinstance(v, (str, bytes))), None)
+        if text is not None:  # float("0.5") would pass: a string here is a bug in the function, not a score
+            raise RewardFunctionError(f"reward function '{self.spec}' returned the string {values[text]!r} for response "
+                                      f"{text + 1}, not a number", hint=one_each)
         try:
             values = [None if v is None else float(v) for v in values]
         except (TypeError, ValueError):
-            raise RewardFunctionError(f"reward function '{self.spec}' must return a list of numbers") from None
+            raise RewardFunctionError(f"reward function '{self.spec}' must return a list of numbers", hint=one_each) from None
         if len(values) != count:
-            raise RewardFunctionError(f"reward function '{self.spec}' returned {len(values)} values for {count} responses")
+            raise RewardFunctionError(f"reward function '{self.spec}' returned {len(values)} value{'s' * (len(values) != 1)} "
+                                      f"for {count} response{'s' * (count != 1)}", hint=one_each)
         missing = sum(v is None for v in values)
         not_finite = sum(v is not None and not math.isfinite(v) for v in values)
         if missing or not_finite:

@@ -107,11 +107,37 @@ def test_bad_reward_functions_get_one_clear_error(tmp_path, body, spec_name, mes
     assert message in info.value.message
 
 
-def test_reward_function_returning_wrong_length_is_reported(tmp_path):
-    path = _write(tmp_path, "def f(prompts, responses): return [1.0]")
+ONE_EACH = "return a list with one number (or None) per response, in the order given"
+
+
+@pytest.mark.parametrize(
+    "returns, message",
+    [
+        ("[1.0]", "returned 1 value for 2 responses"),
+        ("[1.0, 2.0, 3.0]", "returned 3 values for 2 responses"),
+        ("1.0", "returned float, not a list of numbers"),
+        ("'0.5'", "returned str, not a list of numbers"),
+        ("{'a': 1.0}", "returned dict, not a list of numbers"),
+        ("[1.0, '0.5']", "returned the string '0.5' for response 2, not a number"),
+        ("[1.0, [2.0]]", "must return a list of numbers"),
+    ],
+)
+def test_a_reward_function_returning_something_else_than_one_number_per_response_is_one_line(tmp_path, returns, message):
+    path = _write(tmp_path, f"def f(prompts, responses): return {returns}")
     config = RewardConfig(components=[{"type": "function", "function": f"{path}:f"}])
-    with pytest.raises(RewardFunctionError, match="returned 1 values for 2 responses"):
+    with pytest.raises(RewardFunctionError) as info:
         RewardStack(config, torch.device("cpu")).score(["a", "b"], ["a", "b"], [True, True], [1, 1])
+    assert info.value.message == f"reward function '{path}:f' {message}"
+    assert info.value.hint == ONE_EACH
+
+
+def test_a_reward_function_may_return_a_tuple_or_a_tensor(tmp_path):
+    path = _write(tmp_path, "import torch\ndef f(prompts, responses): return torch.tensor([1.0, -2.0])\n"
+                            "def g(prompts, responses): return (0.5, None)")
+    for name, expected in (("f", [1.0, -2.0]), ("g", [0.5, None])):
+        config = RewardConfig(components=[{"type": "function", "function": f"{path}:{name}"}])
+        result = RewardStack(config, torch.device("cpu")).score(["a", "b"], ["a", "b"], [True, True], [1, 1])
+        assert result.components[name] == expected  # a function component is named by its function
 
 
 def test_missing_reward_function_file(tmp_path):
