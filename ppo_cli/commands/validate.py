@@ -30,7 +30,8 @@ class ValidateResult:
 def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[list[str], list[str]]:
     """The one check before any model loads, for `ppo validate` and `ppo train` alike: prompts files
     (readable, not empty), model paths (a saved model, or a hub id), each reward component's files,
-    that each reward server and judge answers, and that the prompts' rows (held-out ones too) have the
+    that each reward server and judge answers (and an http environment's server: one episode reset and
+    closed), and that the prompts' rows (held-out ones too) have the
     columns each reward function takes (engine/rewards/checks.py). Returns the prompts and the
     held-out prompts. A reward function's module is imported (its code runs) only with
     ``import_functions``: when training asks for it, not when a recipe is validated."""
@@ -66,6 +67,11 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
 
             raise no_chat_template_error(recipe.policy.path)
         check_environment_code(recipe.environment, import_code=import_functions)
+        if recipe.environment.type == "http":
+            from ppo_cli.engine.envs.environments import check_server
+
+            first = rows[0][1].columns
+            check_server(recipe.environment, first[0] if first else {})
     check_lora_targets(recipe)
     return prompts, eval_prompts
 

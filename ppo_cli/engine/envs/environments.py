@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_cli.engine.rewards.remote import Policy, RemoteFailure, Secrets, new_client, request_json
+from ppo_cli.engine.rewards.remote import Policy, RemoteFailure, Secrets, new_client, probe, quote, request_json
 from ppo_cli.engine.envs.calls import call_bounded
 from ppo_cli.engine.envs.tool_calls import parse_tool_calls
 from ppo_cli.engine.envs.tools import Tool, call_tool, load_tools
@@ -66,10 +66,23 @@ def as_messages(observation: Any, role: str, where: str) -> list[Message]:
     raise StepFailure(f"{where} gave an observation that is not a string, a list of {{role, content}} messages or None")
 
 
+STEP_KEYS = ("observation", "reward", "done")  # and "info": anything, not read (yours to log or debug)
+
+
 def parse_step(answer: Any, role: str, where: str) -> StepResult:
-    """A step's answer ({"observation", "reward", "done"}) checked against the contract."""
+    """A step's answer ({"observation", "reward", "done"}; observation and reward may be left out) checked
+    against the contract. ``done`` is required and other keys are refused: a gym-style answer
+    (terminated, truncated) would otherwise run every episode to max_turns without a word."""
     if not isinstance(answer, dict):
         raise StepFailure(f"{where} returned {type(answer).__name__}, not a dict with observation, reward, done")
+    unknown = [key for key in answer if key not in STEP_KEYS and key != "info"]
+    if unknown:
+        gym = "; for gym's terminated and truncated, return done = terminated or truncated" if {
+            "terminated", "truncated"} & set(unknown) else ""
+        raise StepFailure(f"{where} returned {', '.join(map(repr, unknown))}, not one of observation, reward, done "
+                          f"(and info, not read){gym}")
+    if "done" not in answer:
+        raise StepFailure(f"{where} returned no 'done': say whether the episode has ended, true or false")
     reward = answer.get("reward")
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -171,6 +184,32 @@ class HttpEnvironment:
 
     async def close(self) -> None:
         await self._post("close", {})
+
+
+def check_server(environment: EnvironmentConfig, row: dict) -> None:
+    """type http, before any model loads (`ppo validate`, train's preflight): one episode reset on
+    ``row`` (the first prompt's columns) and closed, so a server that is down, refuses, or answers reset
+    outside the contract is one line now, not a failed first update. Its ${VAR} headers are resolved."""
+    secrets = Secrets()
+    headers = {name: secrets.resolve(value, f"environment server {environment.url} header '{name}'")
+               for name, value in environment.headers.items()}
+    url = environment.url.rstrip("/")
+    episode_id = f"ppo-check-{uuid.uuid4().hex}"
+    answer = probe("POST", f"{url}/reset", environment, secrets, headers, {"episode_id": episode_id, "row": row, "seed": 0},
+                   what="environment server", error=EnvironmentSetupError)
+    try:
+        said = answer.json()
+        if not isinstance(said, dict):
+            raise StepFailure(f"environment server {url}/reset answered {type(said).__name__}, not an object")
+        as_messages(said.get("observation"), "user", f"environment server {url}/reset")
+    except ValueError:
+        raise EnvironmentSetupError(f"environment server {url}/reset did not answer JSON: {quote(answer.text, secrets)}",
+                                    hint="answer reset with {\"observation\": ...}") from None
+    except StepFailure as err:
+        raise EnvironmentSetupError(str(err), hint="answer reset with {\"observation\": a string, a list of "
+                                    "{role, content} messages, or null}") from None
+    probe("POST", f"{url}/close", environment, secrets, headers, {"episode_id": episode_id},
+          what="environment server", error=EnvironmentSetupError)
 
 
 class EnvironmentFactory:

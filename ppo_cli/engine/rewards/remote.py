@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from ppo_cli.errors import RewardServerError, RewardServerUnreachable
+from ppo_cli.errors import RewardServerError, RewardServerUnreachable, UsageError
 
 if TYPE_CHECKING:
     from ppo_cli.recipe import HttpReward, JudgeReward
@@ -103,25 +103,28 @@ def quote(text: str, secrets: Secrets) -> str:
     return repr(text if len(text) <= QUOTED_ANSWER else text[:QUOTED_ANSWER] + "...")
 
 
-def probe(method: str, url: str, component, secrets: Secrets, headers: dict, body, allow: set[int] = frozenset()) -> None:
+def probe(method: str, url: str, component, secrets: Secrets, headers: dict, body, allow: set[int] = frozenset(),
+          what: str | None = None, error: type[UsageError] = RewardServerUnreachable):
     """One request before any model loads (`ppo validate`, train's preflight): a server that does not
-    answer in time, or refuses, is one line naming the URL."""
+    answer in time, or refuses, is one line naming the URL (``what`` it is: by default the component's
+    type, "... reward"). Returns the answer."""
     import httpx
 
+    what = what or f"{component.type} reward"
     timeout = min(component.timeout_s, PROBE_TIMEOUT_S)
     hint = f"start the server (or fix the URL) and run again; checked with one request, {timeout:g} s timeout"
     try:
         response = httpx.request(method, url, headers=headers, json=body, timeout=timeout)
     except httpx.TimeoutException:
-        raise RewardServerUnreachable(f"{component.type} reward {url} did not answer within {timeout:g} s", hint=hint) from None
+        raise error(f"{what} {url} did not answer within {timeout:g} s", hint=hint) from None
     except httpx.HTTPError as err:
-        raise RewardServerUnreachable(f"{component.type} reward {url} cannot be reached ({secrets.redact(str(err)) or type(err).__name__})",
-                                      hint=hint) from None
+        raise error(f"{what} {url} cannot be reached ({secrets.redact(str(err)) or type(err).__name__})",
+                    hint=hint) from None
     status = response.status_code
     if (status in REFUSING and status not in allow) or status >= 500:
         reason = REFUSING.get(status, "server error")
-        raise RewardServerUnreachable(f"{component.type} reward {url} answered HTTP {status} ({reason}) "
-                                      f"{quote(response.text, secrets)}", hint=hint)
+        raise error(f"{what} {url} answered HTTP {status} ({reason}) {quote(response.text, secrets)}", hint=hint)
+    return response
 
 
 async def request_json(client, method: str, url: str, policy: Policy, secrets: Secrets, *,

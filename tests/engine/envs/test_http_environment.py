@@ -52,3 +52,81 @@ def test_an_http_environment_that_does_not_answer_fails_its_episodes(chatml):
     record = result.episodes[0]
     assert record.ended_by == "failed"
     assert record.failure.startswith(f"environment server {url}/reset: cannot connect (ConnectError")
+
+
+def test_the_check_before_loading_resets_and_closes_one_episode_on_the_server(guess_server):
+    from ppo_cli.engine.envs.environments import check_server
+    from ppo_cli.recipe import EnvironmentConfig
+
+    url = f"http://127.0.0.1:{guess_server.server_address[1]}"
+    opened = []
+    original = guess_server.RequestHandlerClass.do_POST
+
+    def recording(handler):
+        opened.append(handler.path)
+        original(handler)
+
+    guess_server.RequestHandlerClass.do_POST = recording
+    check_server(EnvironmentConfig.model_validate({"type": "http", "url": url}), {"answer": "4"})
+    assert opened == ["/reset", "/close"]
+    assert guess_server.episodes == {}  # closed again
+
+
+def test_an_http_environment_that_is_down_or_answers_reset_wrongly_is_one_line_before_loading(guess_server):
+    from ppo_cli.engine.envs.environments import check_server
+    from ppo_cli.errors import EnvironmentSetupError
+    from ppo_cli.recipe import EnvironmentConfig
+
+    down = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EnvironmentSetupError) as info:
+        check_server(EnvironmentConfig.model_validate({"type": "http", "url": down, "timeout_s": 2}), {})
+    assert info.value.message.startswith(f"environment server {down}/reset cannot be reached (")
+    assert info.value.hint.startswith("start the server (or fix the URL) and run again")
+
+    url = f"http://127.0.0.1:{guess_server.server_address[1]}"
+    with pytest.raises(EnvironmentSetupError) as info:  # the server serves /reset, not /game/reset
+        check_server(EnvironmentConfig.model_validate({"type": "http", "url": url + "/game"}), {})
+    assert info.value.message.startswith(f"environment server {url}/game/reset answered HTTP 404 (not found: check the path)")
+
+    guess_server.RequestHandlerClass.do_POST = _answering(b"[1, 2]")
+    with pytest.raises(EnvironmentSetupError) as info:
+        check_server(EnvironmentConfig.model_validate({"type": "http", "url": url}), {})
+    assert info.value.message == f"environment server {url}/reset answered list, not an object"
+
+
+def _answering(body: bytes):
+    def do_POST(handler):
+        handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+    return do_POST
+
+
+@pytest.mark.slow
+def test_validate_and_train_stop_in_one_line_before_loading_when_the_environment_server_is_down(tiny_tools_model, guess_server,
+                                                                                                 tmp_path):
+    from typer.testing import CliRunner
+
+    from ppo_cli.cli import app
+
+    def validate(url, command="validate"):
+        return CliRunner().invoke(app, [command, str(ROOT / "recipes" / "tiny_tools.yaml"),
+                                        "--set", f"policy.path={tiny_tools_model / 'policy'}",
+                                        "--set", "environment.type=http", "--set", "environment.tools=[]",
+                                        "--set", f"environment.url={url}", "--set", "environment.timeout_s=2",
+                                        "--set", f"output_dir={tmp_path}"])
+
+    down = f"http://127.0.0.1:{free_port()}"
+    result = validate(down)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0].startswith(f"error: environment server {down}/reset cannot be reached (")
+    assert "Traceback" not in result.output
+    result = validate(down, "train")
+    assert result.exit_code == 2 and result.stderr.splitlines()[0].startswith(f"error: environment server {down}/reset")
+    assert not any(tmp_path.iterdir())  # stopped before the run directory was made
+    result = validate(f"http://127.0.0.1:{guess_server.server_address[1]}")
+    assert result.exit_code == 0, result.output
+    assert guess_server.episodes == {}  # the check's episode was closed
