@@ -643,16 +643,26 @@ def update_micro_batch(recipe: Recipe, prompt_len: int) -> int:
 def model_shapes(recipe: Recipe) -> dict:
     pol = recipe.policy
     common = dict(trust_remote_code=pol.trust_remote_code)
-    shapes = {"policy": describe_model(pol.path, "causal_lm", revision=pol.revision, **common)}
+    shapes = {"policy": described("policy.path", pol.path, "causal_lm", revision=pol.revision, **common)}
     if recipe.reference.path is not None:
-        shapes["reference"] = describe_model(recipe.reference.path, "causal_lm", **common)
+        shapes["reference"] = described("reference.path", recipe.reference.path, "causal_lm", **common)
     if value_kind(recipe) == "model":
-        shapes["value"] = describe_model(value_model_path(recipe), "backbone", **common)
+        shapes["value"] = described("value.path", value_model_path(recipe), "backbone", **common)
     shapes["rewards"] = [
-        describe_model(c.path, "classifier", trust_remote_code=c.trust_remote_code)
-        for c in recipe.reward.components if c.loads_model
+        described(f"reward.components.{index}.path", c.path, "classifier", trust_remote_code=c.trust_remote_code)
+        for index, c in enumerate(recipe.reward.components) if c.loads_model
     ]
     return shapes
+
+
+def described(key: str, path: str, kind: str, **options) -> ModelShape:
+    """describe_model, a model that cannot be found or read named by its recipe field ('policy.path: ...')."""
+    from ppo_cli.errors import ModelLoadError, ModelReferenceError
+
+    try:
+        return describe_model(path, kind, **options)
+    except (ModelReferenceError, ModelLoadError) as err:
+        raise type(err)(f"{key}: {err.message}", hint=err.hint) from None
 
 
 def total_estimate(s: Settings, shapes: dict) -> Estimate:

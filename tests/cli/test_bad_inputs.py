@@ -174,6 +174,8 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("policy-path-is-file", lambda e: ["train", e.recipe(_edit("policy.path", e.file("model.bin", "x")))], "is a file"),
     ("policy-dir-without-config", lambda e: ["train", e.recipe(_edit("policy.path", str(e.tmp)))], "no config.json"),
     ("policy-hub-id-offline", lambda e: ["train", e.recipe(_edit("policy.path", "Qwen/Qwen2.5-1.5B"))], "hub is offline"),
+    ("plan-policy-dir-missing", lambda e: ["plan", e.recipe(_edit("policy.path", str(e.tmp / "no-model")))], "policy.path: model directory not found"),
+    ("plan-reward-model-hub-id-offline", lambda e: ["plan", e.recipe(_edit("reward.components.0.path", "someorg/rm"))], "reward.components.0.path: model 'someorg/rm' is not a local directory"),
     ("policy-weights-corrupt", lambda e: ["train", e.recipe(_edit("policy.path", e.corrupt_model("policy")))], "cannot load"),
     ("adapter-dir-missing", lambda e: ["train", e.recipe()] + _set(f"policy.adapter={e.tmp / 'no-adapter'}"), "policy.adapter: model directory not found"),
     ("adapter-dir-is-a-model", lambda e: ["validate", e.recipe()] + _set(f"policy.adapter={e.models / 'policy'}"), "no adapter_config.json here, so it is not a peft adapter"),
