@@ -748,10 +748,12 @@ class EnvironmentConfig(Section):
         if not getattr(self, "class_" if key == "class" else key):
             raise _rule_error(f"needed by type '{self.type}'", example, key=key)
         owners = {"tools": "tools", "class": "python", "kwargs": "python", "url": "http", "headers": "http"}
+        empty = {"tools": "[]", "class": "null", "kwargs": "{}", "url": "null", "headers": "{}"}  # what --set clears it with
         for name, owner in owners.items():
             if owner != self.type and getattr(self, "class_" if name == "class" else name):
                 raise _rule_error(f"only used with type '{owner}', but the type is '{self.type}'",
-                                  f"remove environment.{name}, or set environment.type: {owner}", key=name)
+                                  f"remove environment.{name} (from the command line: --set environment.{name}={empty[name]}), "
+                                  f"or set environment.type: {owner}", key=name)
         for name, value in self.headers.items():
             if SECRET_HEADER.search(name) and "${" not in value:
                 raise _rule_error(f"header '{name}' holds a literal credential",

@@ -30,9 +30,9 @@ def test_a_python_environment_reads_class_and_dumps_it_back_as_class(tmp_path):
     ("  type: python\n", "18: environment.class: needed by type 'python'", "e.g. class: recipes/envs/guess.py:GuessNumber"),
     ("  type: http\n", "18: environment.url: needed by type 'http'", "e.g. url: http://127.0.0.1:8080"),
     ("  type: python\n  class: g.py:G\n  tools: [a.py:f]\n", "21: environment.tools: only used with type 'tools', but the "
-     "type is 'python'", "remove environment.tools, or set environment.type: tools"),
+     "type is 'python'", "remove environment.tools (from the command line: --set environment.tools=[]), or set environment.type: tools"),
     ("  type: tools\n  tools: [a.py:f]\n  url: http://127.0.0.1:1\n", "21: environment.url: only used with type 'http', "
-     "but the type is 'tools'", "remove environment.url, or set environment.type: http"),
+     "but the type is 'tools'", "remove environment.url (from the command line: --set environment.url=null), or set environment.type: http"),
     ("  type: http\n  url: ftp://x\n", "20: environment.url: 'ftp://x' is not an http(s) URL",
      "write it as http://HOST:PORT or https://..."),
     ("  type: http\n  url: http://127.0.0.1:8080\n  headers: {Authorization: Bearer abc}\n",
@@ -48,6 +48,15 @@ def test_bad_environment_sections_are_one_located_line(tmp_path, section, messag
     assert err.message == f"{path}:{message}"
     if hint is not None:
         assert err.hint == hint
+
+
+def test_the_type_switches_from_the_command_line_as_the_hint_says(tmp_path):
+    path = write(tmp_path, BASE + GUESS)
+    switch = ["environment.type=tools", "environment.tools=[recipes/tools/calculator.py:calculate]"]
+    assert "--set environment.class=null" in error(path, switch).hint
+    assert "--set environment.kwargs={}" in error(path, switch + ["environment.class=null"]).hint
+    environment = load_recipe(path, switch + ["environment.class=null", "environment.kwargs={}"]).environment
+    assert (environment.type, environment.tools, environment.class_) == ("tools", ["recipes/tools/calculator.py:calculate"], None)
 
 
 def test_an_unknown_environment_key_is_refused(tmp_path):
