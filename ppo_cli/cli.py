@@ -371,7 +371,8 @@ def score(
     from ppo_cli.commands.score import run as run_score
 
     result = run_score(resolved, rollouts, out)
-    report.print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed)
+    report.print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed,
+                       result.failure)
 
 
 @app.command(name="eval")

@@ -138,7 +138,6 @@ def score_rows(reward, rows: list[dict], failures: list[str] | None = None) -> l
     A row a component failed to score has null there and as its reward. With ``failures`` (a list)
     the failure lines are appended to it and the caller decides; without, a call where no row got a
     reward raises RewardServerError naming what the server or judge answered."""
-    from ppo_cli.errors import RewardServerError
 
     if not rows:
         return []
@@ -157,8 +156,7 @@ def score_rows(reward, rows: list[dict], failures: list[str] | None = None) -> l
     if failures is not None:
         failures.extend(str(f) for f in result.failures.values() if f)
     elif not any(result.scored):
-        raise RewardServerError(f"no row got a reward: {next(iter(result.failures.values()))}",
-                                hint="check that the reward server or judge answers, then run again")
+        raise no_row_scored(next(iter(result.failures.values())))
     return [
         {**row, "reward": _episode_total(row, _number(total)),
          "reward_components": {name: _number(values[i]) for name, values in result.components.items()}}
@@ -202,6 +200,12 @@ def summarize_rows(rows: list[dict]) -> dict:
         "distinct_2": distinct_n([r["response"] for r in rows], 2),
         **(_episode_summary(rows) if rows and "turns" in rows[0] else {}),
     }
+
+
+def no_row_scored(failure) -> Exception:
+    from ppo_cli.errors import RewardServerError
+
+    return RewardServerError(f"no row got a reward: {failure}", hint="check that the reward server or judge answers, then run again")
 
 
 def env_failures(rows: list[dict]) -> tuple[int, str | None]:

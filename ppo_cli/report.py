@@ -243,9 +243,10 @@ def _summary_env_failures(summary: dict) -> str:
     return env_failure_line(summary["env_failed"], summary["num_prompts"] * summary["num_samples"], summary.get("env_failure"))
 
 
-def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0) -> None:
+def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0,
+                failure: str | None = None) -> None:
     parts = ", ".join(f"{name} {_signed(value)}" for name, value in components.items())
-    unscored = f"; {failed} rows without a reward (null)" if failed else ""
+    unscored = f"; {failed} row{'s' * (failed != 1)} without a reward (null{f': {failure}' if failure else ''})" if failed else ""
     _say(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}){unscored}; wrote {out}")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
 from ppo_cli.errors import DataError
-from ppo_cli.evaluation import mean_step_reward, score_rows, scored_mean
+from ppo_cli.evaluation import env_failures, mean_step_reward, no_row_scored, score_rows, scored_mean
 from ppo_cli.report import STEP_REWARDS
 from ppo_cli.recipe import Recipe
 
@@ -23,7 +23,8 @@ class ScoreRunResult:
     rows: int
     mean_reward: float
     components: dict[str, float]  # name -> mean value over the rows it scored
-    failed: int = 0  # rows without a reward (a component failed to score them)
+    failed: int = 0  # rows without a reward (a component failed to score them, or the episode's environment)
+    failure: str | None = None  # the first reason one said
 
 
 ROLLOUTS_HINT = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
@@ -75,11 +76,15 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
         from ppo_cli.engine.data import PromptColumns, PromptSet
 
         columns = PromptColumns([PromptSet([r["prompt"] for r in rows], columns=[r.get("columns", {}) for r in rows])])
-    scored = score_rows(load_reward_stack(recipe, columns, str(rollouts)), rows)
+    failures: list[str] = []  # each component's first failure (a server's answer, a function's None)
+    scored = score_rows(load_reward_stack(recipe, columns, str(rollouts)), rows, failures)
+    if failures and all(r["reward"] is None for r in scored):
+        raise no_row_scored(failures[0])
     write_jsonl_atomic(out, scored)
     names = list(scored[0]["reward_components"])
     components = {name: scored_mean([r["reward_components"][name] for r in scored]) for name in names}
     if "step_reward" in scored[0]:  # episodes of several turns: their reward adds the environment's step rewards
         components[STEP_REWARDS] = mean_step_reward(scored)
     failed = sum(r["reward"] is None for r in scored)
-    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed)
+    why = failures[0] if failures else env_failures(scored)[1]
+    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed, why)

@@ -83,3 +83,27 @@ def test_episodes_of_several_turns_show_their_steps_rewards_beside_the_component
     assert result.components == {"half": 0.5, "missing_eos_penalty": 0.0, STEP_REWARDS: 0.5}
     assert result.mean_reward == pytest.approx(1.0)  # (1.5 + 0.5) / 2: the failed episode has no reward
     assert result.failed == 1
+    assert result.failure == "environment g.py:G.step raised KeyError: 'x'"  # why that row has no reward
+
+
+def test_rows_a_reward_function_left_without_a_reward_say_why_and_none_scored_is_one_line(tmp_path, capsys):
+    from ppo_cli.commands.score import run
+    from ppo_cli.errors import RewardServerError
+    from ppo_cli.report import print_score
+
+    (tmp_path / "reward.py").write_text("def picky(prompts, responses):\n    return [None if r == 'x' else 1.0 for r in responses]\n")
+    recipe = load_recipe(ROOT / "recipes" / "tiny_grpo.yaml", tiny_overrides(tmp_path, tmp_path, **{
+        "reward.components": f"[{{type: function, function: {tmp_path / 'reward.py'}:picky}}]"}))
+    rows = tmp_path / "rollouts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "p", "response": r, "finished": True}) + "\n" for r in ("a", "x")))
+    result = run(recipe, rows, tmp_path / "scored.jsonl")
+    why = f"reward function '{tmp_path / 'reward.py'}:picky' returned None for 1 of 2 responses"
+    assert (result.failed, result.failure) == (1, why)
+    print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed, result.failure)
+    assert f"; 1 row without a reward (null: {why}); wrote" in " ".join(capsys.readouterr().out.split())
+
+    rows.write_text(json.dumps({"prompt": "p", "response": "x", "finished": True}) + "\n")
+    with pytest.raises(RewardServerError) as err:
+        run(recipe, rows, tmp_path / "scored-none.jsonl")
+    assert err.value.message == f"no row got a reward: reward function '{tmp_path / 'reward.py'}:picky' returned None for 1 of 1 responses"
+    assert not (tmp_path / "scored-none.jsonl").exists()  # nothing half-written
