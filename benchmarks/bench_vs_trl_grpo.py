@@ -5,8 +5,10 @@ phase by phase (issue 33, items 0 and 6).
     python benchmarks/bench_vs_trl_grpo.py setup                       # TRL 1.16.0 in .cache/trl116-venv
     python benchmarks/bench_vs_trl_grpo.py compare --rounds 2          # ours and TRL alternately, fresh processes
     python benchmarks/bench_vs_trl_grpo.py report                      # the tables (docs/benchmarks.md)
+    python benchmarks/bench_vs_trl_grpo.py compare --shape 0.5b --tag 0.5b   # the 0.5B shape (bench_vs_trl.py models first)
 
-The work (the issue's): SmolLM2-135M-Instruct (.cache/smollm2-0.1.2, scripts/fetch_smollm2.py), 4 prompts
+The work (the issue's): SmolLM2-135M-Instruct (.cache/smollm2-0.1.2, scripts/fetch_smollm2.py; ``--shape 0.5b``:
+Qwen2.5-0.5B's layer sizes, random weights, vocabulary 1,089, review openers as text prompts), 4 prompts
 x 4 completions x 48 new tokens (chat questions, recipes/prompts/chat_questions.jsonl), one optimizer
 step per update over the 16 episodes in one forward (TRL: per_device_train_batch_size 16, ours:
 mini/micro batch 16), LoRA r16 alpha 32 all-linear, a Python reward (recipes/rewards/concise.py), KL
@@ -42,6 +44,18 @@ PINS = ("torch==2.13.0+cpu", "transformers==5.24.0", "peft==0.21.2", "accelerate
 RESULTS = ROOT / ".cache" / "bench" / "results" / "vs-trl116-grpo.jsonl"
 SMOLLM2 = ROOT / ".cache" / "smollm2-0.1.2"
 PROMPTS = ROOT / "recipes" / "prompts" / "chat_questions.jsonl"
+# --shape: the model and its prompts. 0.5b: Qwen2.5-0.5B's layer sizes with random weights and the tiny
+# tokenizer (vocabulary 1,089; no chat template, so text prompts), built by `bench_vs_trl.py models`.
+MODELS = {"smollm2": (SMOLLM2, PROMPTS),
+          "0.5b": (ROOT / ".cache" / "bench" / "0.5b" / "policy", ROOT / ".cache" / "bench" / "prompts.txt")}
+
+
+def model_and_prompts(args) -> tuple[Path, Path]:
+    model, prompts = MODELS[args.shape]
+    if not model.exists():
+        sys.exit(f"{model} is missing: " + ("python scripts/fetch_smollm2.py" if args.shape == "smollm2"
+                                            else "python benchmarks/bench_vs_trl.py models"))
+    return model, prompts
 SHAPE = dict(prompts=4, generations=4, new_tokens=48, lora_r=16, lora_alpha=32, kl_coef=0.04, temperature=1.0,
              max_prompt_tokens=64)
 PHASES = ("loading", "sampling", "reward", "old/ref log-probs", "forward", "backward", "optimizer step", "other")
@@ -91,10 +105,10 @@ def ours_recipe(args) -> dict:
     episodes = SHAPE["prompts"] * SHAPE["generations"]
     return {
         "name": f"bench-vs-trl116-grpo-{args.tag}", "seed": args.seed, "output_dir": str(ROOT / ".cache" / "bench" / "runs"),
-        "policy": {"path": str(SMOLLM2), "dtype": "float32",
+        "policy": {"path": str(model_and_prompts(args)[0]), "dtype": "float32",
                    "lora": {"r": SHAPE["lora_r"], "alpha": SHAPE["lora_alpha"], "target_modules": "all-linear"}},
         "reward": {"components": [{"type": "function", "function": str(ROOT / "recipes/rewards/concise.py") + ":concise"}]},
-        "data": {"prompts": str(PROMPTS), "max_prompt_tokens": SHAPE["max_prompt_tokens"]},
+        "data": {"prompts": str(model_and_prompts(args)[1]), "max_prompt_tokens": SHAPE["max_prompt_tokens"]},
         "generation": {"max_new_tokens": SHAPE["new_tokens"], "temperature": SHAPE["temperature"],
                        "num_generations": SHAPE["generations"]},
         "ppo": {"advantage": "grpo", "rollout_batch_size": SHAPE["prompts"], "mini_batch_size": episodes,
@@ -179,9 +193,11 @@ def cmd_trl(args) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return concise.concise(prompts, texts)
 
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    model, prompts = model_and_prompts(args)
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines] if prompts.suffix == ".jsonl" else [{"prompt": line} for line in lines]
     dataset = Dataset.from_list(rows)
-    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     episodes = SHAPE["prompts"] * SHAPE["generations"]
     import tempfile
 
@@ -222,7 +238,7 @@ def cmd_trl(args) -> None:
     started = time.perf_counter()
     peft_config = LoraConfig(r=SHAPE["lora_r"], lora_alpha=SHAPE["lora_alpha"], target_modules="all-linear",
                              task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=str(SMOLLM2), reward_funcs=reward, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Marks()])
     trainer.train()
     tracer.stop()
@@ -237,7 +253,7 @@ def write(args, impl: str, record: dict, tracer: PhaseTracer) -> None:
     import resource
 
     record.update(impl=impl, tag=args.tag, cpu=cpu_record(), threads=args.threads, updates=args.updates,
-                  shape=SHAPE, phases=tracer.table(),
+                  shape={**SHAPE, "model": args.shape}, phases=tracer.table(),
                   peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:
@@ -254,7 +270,7 @@ def cmd_compare(args) -> None:
         for impl in (("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")):
             py = str(VENV / "bin" / "python") if impl == "trl" else sys.executable
             command = [py, __file__, impl, "--updates", str(args.updates), "--threads", str(args.threads),
-                       "--tag", f"{args.tag}-r{round_}"]
+                       "--tag", f"{args.tag}-r{round_}", "--shape", args.shape]
             print(f"[round {round_}] {impl} (load {load_average():.2f})", flush=True)
             before = load_average()
             subprocess.run(command, env=env(), cwd=ROOT, check=True)
@@ -318,6 +334,7 @@ def main(argv=None) -> int:
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--tag", default="smollm2")
+        p.add_argument("--shape", choices=sorted(MODELS), default="smollm2")
         if name == "ours":
             p.add_argument("--mixed-precision", default=None, help="override ours' default (auto)")
             p.add_argument("--set", action="append", default=[], help="section.key=value in ours' recipe, e.g. "
