@@ -149,8 +149,16 @@ def main(argv=None) -> int:
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
 
+    # as `ppo train` takes them (commands/train.py): checkpointing `auto` and the heap tuning from the plan
+    from ppo_cli.commands.plan import planned_choices
+    from ppo_cli.engine.models import resolve_device
+    from ppo_cli.engine.precision import recipe_mixed_precision
+
+    device = resolve_device(recipe.train.device)
+    choices = planned_choices(recipe, device.type, recipe_mixed_precision(recipe, device))
+    print(f"memory choices: {choices.describe()}", flush=True)
     options = engine_module.EngineOptions(inference_mode="inference_mode" not in levers_off,
-                                          cpu_malloc_tuning="malloc" not in levers_off)
+                                          cpu_malloc_tuning=choices.heap_tuning and "malloc" not in levers_off)
     if "logsumexp" in levers_off:
         def naive(logits, index, chunk_rows=8):
             return torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
         trainer.torch.optim.AdamW = unfused
 
     started = time.perf_counter()
-    engine = engine_module.load_engine(recipe, options=options)
+    engine = engine_module.load_engine(recipe, options=options, gradient_checkpointing=choices.checkpointing.value)
     state = train_setup.init_state(engine, [line.strip() for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()])
     if "fused_adamw" in levers_off:
         torch.optim.AdamW = original_adamw
