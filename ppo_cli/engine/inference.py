@@ -69,9 +69,13 @@ def load_reward_stack(recipe: Recipe, columns=None, source: str | None = None) -
     check_reward_components(recipe.reward)
     quiet_libraries()
 
-    stack = RewardStack(recipe.reward, resolve_device(recipe.train.device), recipe.data.system_prompt,
+    device = resolve_device(recipe.train.device)
+    # under the training run's autocast, as its rollouts and held-out prompts were scored (a reward model
+    # in bf16 moves scores by about 1e-4: compare's "before" would not be the run's own)
+    stack = RewardStack(recipe.reward, device, recipe.data.system_prompt,
                         columns if columns is not None else lambda: recipe_prompt_columns(recipe.data),
-                        max_new_tokens=recipe.generation.max_new_tokens)
+                        max_new_tokens=recipe.generation.max_new_tokens,
+                        mixed_precision=recipe_mixed_precision(recipe, device))
     if columns is not None:  # an episode's transcript is a column too, with an environment
         given = {"messages"} if recipe.environment is not None else set()
         stack.check_columns(columns.names | given, source or "the prompts", columns.fields | given)
