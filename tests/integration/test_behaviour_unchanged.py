@@ -2,12 +2,15 @@
 updates in each precision the suite covers, and their metrics and final weights equal a record taken
 before the refactor (tests/fixtures/behaviour_record.json).
 
-Bit for bit on the machine that recorded it (same CPU model and flags, same torch / transformers /
-peft). Elsewhere float kernels differ in their last bits and a few updates amplify that, so there the
-metrics must agree to 1e-3 and the weights' per-tensor sums to 1e-3: still enough to catch a changed
-formula, mask or order of updates, not enough to catch a rounding change.
+Bit for bit against the record of this machine (same CPU model and flags, thread count, torch /
+transformers / peft): the file holds one record per machine. With another thread count on the same CPU,
+matmuls sum in another order: there the metrics and the weights' per-tensor sums must agree to 1e-3. Another machine's kernels differ in their
+last bits and two updates amplify that far past any tolerance that would still catch a change (an AVX2
+record against an AVX-512 EPYC: 229 numbers off by more than 1e-3, a few by 5%; policy weights' sums
+crossing zero), so a machine without a record skips, saying how to make one.
 
-Re-record (only when a change is meant to move the numbers, and say so in the commit):
+Record this machine's numbers at a commit whose numbers are trusted (the last one CI passed), or
+re-record when a change is meant to move them (and say so in the commit):
     PPO_RECORD_BEHAVIOUR=1 scripts/test.sh tests/integration/test_behaviour_unchanged.py
 """
 
@@ -114,14 +117,35 @@ def runs(tiny_models, tmp_path_factory) -> dict:
             for case, (recipe, extra) in CASES.items() for precision in PRECISIONS}
 
 
+def _same_cpu(recorded: dict, fingerprint: dict) -> bool:
+    return {k: v for k, v in recorded.items() if k != "threads"} == {k: v for k, v in fingerprint.items() if k != "threads"}
+
+
+def _near(name: str, got: float, want: float) -> bool:
+    """Within 1e-3 of the record (the same CPU with another thread count). An explained variance
+    (1 - var(residual) / var(return)) is compared as its variance ratio: near 0 it is a difference of two
+    near-equal numbers, moved by far more than 1e-3 of itself when the ratio moves by 1e-3."""
+    if name.endswith("explained_variance"):
+        got, want = 1.0 - got, 1.0 - want
+    return got == pytest.approx(want, rel=1e-3, abs=1e-5, nan_ok=True)
+
+
 def test_training_numbers_equal_the_record(runs):
     fingerprint = machine_fingerprint()
+    records = json.loads(RECORD.read_text())["records"] if RECORD.exists() else []
     if os.environ.get("PPO_RECORD_BEHAVIOUR"):
-        RECORD.write_text(json.dumps({"machine": fingerprint, "runs": {
-            key: {"metrics": metrics, "weights": weights} for key, (metrics, weights) in runs.items()}}, indent=1) + "\n")
-    record = json.loads(RECORD.read_text())
-    exact = record["machine"] == fingerprint
+        records = [r for r in records if r["machine"] != fingerprint] + [{"machine": fingerprint, "runs": {
+            key: {"metrics": metrics, "weights": weights} for key, (metrics, weights) in runs.items()}}]
+        RECORD.write_text(json.dumps({"records": records}, indent=1) + "\n")
+    record = next((r for r in records if r["machine"] == fingerprint), None)
+    exact = record is not None
+    if record is None:  # this CPU and these libraries with another thread count: sums in another order
+        record = next((r for r in records if _same_cpu(r["machine"], fingerprint)), None)
+    if record is None:
+        pytest.skip(f"no record of this machine's numbers ({fingerprint}): check out the last commit CI passed and "
+                    "run PPO_RECORD_BEHAVIOUR=1 scripts/test.sh tests/integration/test_behaviour_unchanged.py")
     assert sorted(runs) == sorted(record["runs"])
+    differ = []  # every number off the record, not only the first
     for key, (metrics, weights) in runs.items():
         expected = record["runs"][key]
         assert len(metrics) == len(expected["metrics"]), key
@@ -131,13 +155,16 @@ def test_training_numbers_equal_the_record(runs):
                 got = row[name]
                 if exact or not isinstance(value, float):
                     same = got == value or (isinstance(value, float) and math.isnan(value) and math.isnan(got))
-                    assert same, f"{key} update {step} {name}: {got!r} != recorded {value!r}"
                 else:
-                    assert got == pytest.approx(value, rel=1e-3, abs=1e-5, nan_ok=True), f"{key} update {step} {name}"
+                    same = _near(name, got, value)
+                if not same:
+                    differ.append(f"{key} update {step} {name}: {got!r} != recorded {value!r}")
         assert sorted(weights) == sorted(expected["weights"]), key
         for file, want in expected["weights"].items():
-            if exact:
-                assert weights[file]["sha256"] == want["sha256"], f"{key} {file}: weights differ from the record"
-            else:
-                for tensor, sums in want["sums"].items():
-                    assert weights[file]["sums"][tensor] == pytest.approx(sums, rel=1e-3, abs=1e-6), f"{key} {tensor}"
+            if exact and weights[file]["sha256"] != want["sha256"]:
+                differ.append(f"{key} {file}: weights differ from the record")
+            elif not exact:
+                differ += [f"{key} {tensor}: sums {weights[file]['sums'][tensor]} != recorded {sums}"
+                           for tensor, sums in want["sums"].items()
+                           if weights[file]["sums"][tensor] != pytest.approx(sums, rel=1e-3, abs=1e-6)]
+    assert not differ, f"{len(differ)} numbers differ from the record:\n" + "\n".join(differ[:40])
