@@ -7,6 +7,7 @@ with ``--debug``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Exit codes (documented in docs/errors.md; tests/test_docs.py checks its table).
@@ -56,6 +57,17 @@ class ModelReferenceError(UsageError):
 
 class ModelLoadError(PpoError):
     """A model was found but could not be loaded."""
+
+
+@contextlib.contextmanager
+def naming_field(key: str, kinds: tuple[type[PpoError], ...] = (ModelReferenceError, ModelLoadError)):
+    """A model that cannot be found (or, by default, read), named by the recipe field that gave it
+    ('policy.path: ...'): a recipe names several models (the Qwen recipe two), and the message alone
+    does not say which."""
+    try:
+        yield
+    except kinds as err:
+        raise type(err)(f"{key}: {err.message}", hint=err.hint) from None
 
 
 class CheckpointError(PpoError):

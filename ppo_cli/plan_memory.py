@@ -656,13 +656,10 @@ def model_shapes(recipe: Recipe) -> dict:
 
 
 def described(key: str, path: str, kind: str, **options) -> ModelShape:
-    """describe_model, a model that cannot be found or read named by its recipe field ('policy.path: ...')."""
-    from ppo_cli.errors import ModelLoadError, ModelReferenceError
+    from ppo_cli.errors import naming_field
 
-    try:
+    with naming_field(key):
         return describe_model(path, kind, **options)
-    except (ModelReferenceError, ModelLoadError) as err:
-        raise type(err)(f"{key}: {err.message}", hint=err.hint) from None
 
 
 def total_estimate(s: Settings, shapes: dict) -> Estimate:

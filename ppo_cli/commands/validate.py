@@ -36,7 +36,7 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     held-out prompts. A reward function's module is imported (its code runs) only with
     ``import_functions``: when training asks for it, not when a recipe is validated."""
     from ppo_cli.engine.data import check_reward_reads_conversations, read_recipe_prompts
-    from ppo_cli.errors import ModelReferenceError
+    from ppo_cli.errors import ModelReferenceError, naming_field
     from ppo_cli.model_refs import check_adapter_reference, check_model_reference
     from ppo_cli.engine.rewards.checks import check_reward_columns, check_reward_components
 
@@ -49,10 +49,8 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     for key, path in (("policy.path", recipe.policy.path), ("reference.path", recipe.reference.path),
                       ("value.path", recipe.value.path)):
         if path:
-            try:
+            with naming_field(key, (ModelReferenceError,)):
                 check_model_reference(path)
-            except ModelReferenceError as err:  # which of the recipe's models it is (the Qwen recipe names two)
-                raise ModelReferenceError(f"{key}: {err.message}", hint=err.hint) from None
     if recipe.policy.adapter:
         check_adapter_reference(recipe.policy.adapter)
     check_reward_components(recipe.reward, import_functions=import_functions)  # files, credentials, servers

@@ -17,6 +17,7 @@ mapping nothing has written to: a page read again comes back from the file).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import mmap
 import sys
@@ -105,6 +106,7 @@ def drop_checkpoint_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]])
         _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
 
 
+@functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -66,7 +66,7 @@ def as_messages(observation: Any, role: str, where: str) -> list[Message]:
     raise StepFailure(f"{where} gave an observation that is not a string, a list of {{role, content}} messages or None")
 
 
-STEP_KEYS = ("observation", "reward", "done")  # and "info": anything, not read (yours to log or debug)
+STEP_KEYS = ("observation", "reward", "done", "info")  # info: anything, not read (yours to log or debug)
 
 
 def parse_step(answer: Any, role: str, where: str) -> StepResult:
@@ -75,7 +75,7 @@ def parse_step(answer: Any, role: str, where: str) -> StepResult:
     (terminated, truncated) would otherwise run every episode to max_turns without a word."""
     if not isinstance(answer, dict):
         raise StepFailure(f"{where} returned {type(answer).__name__}, not a dict with observation, reward, done")
-    unknown = [key for key in answer if key not in STEP_KEYS and key != "info"]
+    unknown = [key for key in answer if key not in STEP_KEYS]
     if unknown:
         gym = "; for gym's terminated and truncated, return done = terminated or truncated" if {
             "terminated", "truncated"} & set(unknown) else ""

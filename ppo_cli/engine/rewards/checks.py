@@ -21,13 +21,11 @@ def check_reward_components(reward: RewardConfig, contact_servers: bool = True, 
     """Every component's files, and (``contact_servers``) that every server and judge answers.
     ``import_functions`` (train): reward functions are imported, so an import error shows now; else
     their files are only read."""
-    from ppo_cli.errors import ModelReferenceError
+    from ppo_cli.errors import ModelReferenceError, naming_field
 
     for index, component in enumerate(reward.components):
-        try:
+        with naming_field(f"reward.components.{index}.path", (ModelReferenceError,)):
             REWARD_TYPES[component.type].check(component, contact_servers=contact_servers, import_functions=import_functions)
-        except ModelReferenceError as err:  # which of the recipe's models it is
-            raise ModelReferenceError(f"reward.components.{index}.path: {err.message}", hint=err.hint) from None
 
 
 def check_reward_columns(reward: RewardConfig, rows: list[tuple[str, PromptSet]], given: set[str] = frozenset(),
