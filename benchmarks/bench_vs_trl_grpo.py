@@ -323,6 +323,22 @@ def cmd_report(args) -> None:
         print(f"| {phase} | {phase_peak(by['trl'], phase, True)} | {phase_peak(by['ours'], phase, True)} | "
               f"{phase_peak(by['trl'], phase, False)} | {phase_peak(by['ours'], phase, False)} |")
 
+    # the time table: CPU seconds per phase, median over updates 2-5 of every run (runs recorded before
+    # the tracer timed its phases have none)
+    def phase_cpu(rs, phase) -> float | None:
+        vals = [r["phases"][u][phase]["cpu_s"] for r in rs for u in r["phases"]
+                if 2 <= int(u) <= 5 and phase in r["phases"][u] and "cpu_s" in r["phases"][u][phase]]
+        return statistics.median(vals) if vals else None
+
+    timed = {impl: {phase: phase_cpu(rs, phase) for phase in PHASES if phase != "loading"} for impl, rs in by.items()}
+    if any(v is not None for t in timed.values() for v in t.values()):
+        print("\n| phase | TRL CPU s per update | ours CPU s per update | ours / TRL |")
+        print("| --- | ---: | ---: | ---: |")
+        for phase in timed["trl"]:
+            trl, ours = timed["trl"][phase], timed["ours"][phase]
+            ratio = f"{ours / trl:.2f}x" if trl and ours is not None and trl > 0.05 else "-"
+            print(f"| {phase} | {'-' if trl is None else f'{trl:.2f}'} | {'-' if ours is None else f'{ours:.2f}'} | {ratio} |")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

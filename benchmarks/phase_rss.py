@@ -1,4 +1,4 @@
-"""Resident memory phase by phase: a thread samples this process's RSS while hooks name the phase.
+"""Resident memory and time phase by phase: a thread samples this process's RSS while hooks name the phase.
 
 Standard library only, so that both ppo_cli's venv and TRL's import it (benchmarks/bench_vs_trl_grpo.py).
 Never imported by ppo_cli or its tests.
@@ -8,7 +8,8 @@ A phase is a label (``loading``, ``sampling``, ...) set by wrapping the function
 releases the GIL in its kernels, so it runs during them) and keeps, per (update, phase), the largest
 RSS seen and the RSS when the phase last ended. A spike shorter than the interval can slip between
 samples; the kernel's own high-water mark (VmHWM) cannot: when VmHWM grew while a phase ran, that
-phase's peak is VmHWM exactly, and it is taken instead of the samples.
+phase's peak is VmHWM exactly, and it is taken instead of the samples. Each phase's wall and process
+CPU seconds are summed between the hooks' marks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class PhaseTracer:
         self.phase = "loading"
         self.peaks: dict[tuple[int, str], int] = {}
         self.ends: dict[tuple[int, str], int] = {}
+        self.seconds: dict[tuple[int, str], list[float]] = {}  # [wall, cpu]
+        self._since = (time.perf_counter(), time.process_time())
         self._hwm_at_entry = hwm_bytes()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,8 +65,13 @@ class PhaseTracer:
     def enter(self, phase: str) -> str:
         """Make ``phase`` current; returns the phase it replaces."""
         rss, hwm = rss_bytes(), hwm_bytes()
+        now = (time.perf_counter(), time.process_time())
         with self._lock:
             key, previous = (self.update, self.phase), self.phase
+            spent = self.seconds.setdefault(key, [0.0, 0.0])
+            spent[0] += now[0] - self._since[0]
+            spent[1] += now[1] - self._since[1]
+            self._since = now
             self.peaks[key] = max(self.peaks.get(key, 0), rss, hwm if hwm > self._hwm_at_entry else 0)
             self.ends[key] = rss
             self.phase, self._hwm_at_entry = phase, hwm
@@ -108,9 +116,11 @@ class PhaseTracer:
         self._thread.join()
 
     def table(self) -> dict:
-        """{update: {phase: {"peak_gb", "end_gb"}}} as JSON-ready strings of ints."""
+        """{update: {phase: {"peak_gb", "end_gb", "wall_s", "cpu_s"}}}, JSON-ready (updates as strings)."""
         out: dict[str, dict] = {}
         for (update, phase), peak in sorted(self.peaks.items()):
+            wall, cpu = self.seconds.get((update, phase), (0.0, 0.0))
             out.setdefault(str(update), {})[phase] = {"peak_gb": peak / 1e9,
-                                                       "end_gb": self.ends.get((update, phase), 0) / 1e9}
+                                                       "end_gb": self.ends.get((update, phase), 0) / 1e9,
+                                                       "wall_s": wall, "cpu_s": cpu}
         return out

@@ -90,6 +90,36 @@ def no_checkpointing(model):
             layer.gradient_checkpointing = True
 
 
+@contextlib.contextmanager
+def head_cast_once(model):
+    """Inside, under autocast, the LM head computes with its weight cast to the autocast dtype once, not
+    at every decoding step: for a generate() call.
+
+    A tied head (SmolLM2, Qwen2.5 up to 3B, Gemma) shares the embedding's float32 weight, which
+    frozen_weights leaves float32 (the embedding's lookup is not autocast), and autocast caches casts
+    only of leaves that require grad: at SmolLM2's 49,152 x 576 the cast took 6.5 ms a step, 5% of the
+    sampling phase (AMD EPYC, 2 threads). The same numbers (autocast's cast is this ``.to``) for a
+    copy of the head held while sampling (54 MiB at SmolLM2, 260 MiB at Qwen2.5's 151,936 x 896).
+    A head that is not a plain float32 Linear, or is trained, or whose weight is sharded or gathered
+    by its own forward, is left as it is.
+    """
+    head = unwrap_causal_lm(model).get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if (type(head) is not torch.nn.Linear or weight.requires_grad or weight.dtype != torch.float32
+            or type(weight.data) is not torch.Tensor or weight.numel() == 0
+            or not torch.is_autocast_enabled(weight.device.type)):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(weight.device.type)
+    cast_weight = weight.detach().to(dtype)
+    cast_bias = None if head.bias is None else head.bias.detach().to(dtype)
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden, cast_weight, cast_bias)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 # Set on a model by Distributed.rollout_parameters when its blocks gather in their own forwards.
 DECODE_IN_STEP = "_ppo_cli_decode_in_step"
 
@@ -142,7 +172,7 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
         from transformers import StoppingCriteriaList
 
         extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
-    with no_checkpointing(model), without_hub_generation_defaults(model):
+    with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
                              synced_gpus=in_step, **extra)
     raw_response = out[:, prompt_ids.shape[1]:]

@@ -91,3 +91,44 @@ def test_sampling_ignores_the_models_own_generation_defaults(tiny_models, top_k)
     else:
         assert ranks.max() < top_k and ranks.min() == 0
     assert model.generation_config.top_k == 1  # the model's own config is left as it was
+
+
+def _tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def test_the_head_cast_once_computes_the_same_logits_and_gives_the_head_back():
+    from ppo_cli.engine.generate import head_cast_once
+
+    model = _tied_llama()
+    head = model.get_output_embeddings()
+    assert head.weight is model.get_input_embeddings().weight
+    ids = torch.randint(0, 300, (3, 7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        per_call = model(input_ids=ids).logits
+        with head_cast_once(model):
+            assert "forward" in vars(head)  # the copy is in use
+            once = model(input_ids=ids).logits
+    assert "forward" not in vars(head)
+    assert once.dtype == per_call.dtype == torch.bfloat16
+    assert torch.equal(once, per_call)
+
+
+@pytest.mark.parametrize("case", ["no autocast", "trained head"])
+def test_the_head_cast_once_leaves_alone_a_head_it_would_not_speed_up(case):
+    from ppo_cli.engine.generate import head_cast_once
+
+    model = _tied_llama()
+    head = model.get_output_embeddings()
+    if case == "trained head":
+        head.weight.requires_grad_(True)  # autocast caches its cast already
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case != "no autocast"), head_cast_once(model):
+        assert "forward" not in vars(head)
