@@ -110,6 +110,7 @@ class ModelShape:
     # own logits, whole (a class not in HEAD_STEPS, or not a causal LM)
     logits_chunk: int | None = None
     module_names: tuple[str, ...] = ()  # every module of the model, as peft names them (lm_head included)
+    tied_head: bool = False  # the LM head's weight is the input embedding's
 
     @property
     def linear_params(self) -> int:
@@ -179,8 +180,10 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     backbone = model.base_model if kind != "backbone" else model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    logits_chunk = None
+    logits_chunk, tied_head = None, False
     if kind == "causal_lm":
+        head = model.get_output_embeddings()
+        tied_head = head is not None and head.weight is model.get_input_embeddings().weight
         from ppo_cli.engine.logprobs import LOGITS_PER_CHUNK, logprob_path
 
         if logprob_path(model) == "chunked":
@@ -197,6 +200,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
         logits_chunk=logits_chunk,
+        tied_head=tied_head,
         module_names=tuple(name for name, _ in model.named_modules()),
     )
 
@@ -376,6 +380,11 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
              f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
         Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
     ]
+    if lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and s.sharding in ("none", "zero2"):
+        # engine/generate.py head_cast_once: the frozen tied head cast once for the whole generate() call
+        rollout.append(Line("rollout", "LM head cast for sampling", policy.vocab * policy.hidden * 2 / GB,
+                            f"the tied head, {policy.vocab} x {policy.hidden} x 2 B ({s.mixed_precision}), while sampling",
+                            "rollout"))
     runtime = Line("runtime", "process" if s.device == "cpu" else "CUDA context", RUNTIME_GB[s.device],
                    "torch + transformers + tokenizers, resident" if s.device == "cpu" else "CUDA context and kernels",
                    "runtime")

@@ -621,3 +621,19 @@ def test_a_reward_model_forward_is_counted_in_the_runs_autocast_dtype(model_dir)
     half = parts(estimate(settings(**big, mixed_precision="bf16"), shape, None, [reward]))["rollout", "no-grad forward working set"]
     assert full == pytest.approx(32 * 10 * (3 * 32 + 4 * 16) * 4)
     assert half == pytest.approx(32 * 10 * (3 * 32 + 4 * 16) * 2)  # bf16 autocast: 2 B a value
+
+
+def test_a_tied_head_is_counted_once_more_in_bf16_while_sampling_under_autocast(model_dir):
+    """engine/generate.py head_cast_once: a frozen float32 head tied to the embedding is cast to bf16 once
+    for each generate() call, a copy of vocab x hidden x 2 B held while sampling."""
+    import dataclasses
+
+    shape = describe_model(str(model_dir), "causal_lm")
+    assert shape.tied_head  # CONFIG ties them
+    cast = ("rollout", "LM head cast for sampling")
+    assert parts(estimate(settings(mixed_precision="bf16"), shape, None, []))[cast] == pytest.approx(100 * 16 * 2)
+    assert cast not in parts(estimate(settings(), shape, None, []))  # no autocast: the head is used as it is
+    assert cast not in parts(estimate(settings(mixed_precision="bf16", lora=None), shape, None, []))  # trained head
+    assert cast not in parts(estimate(settings(mixed_precision="bf16", dtype="bfloat16"), shape, None, []))
+    untied = dataclasses.replace(shape, tied_head=False)  # its own head: stored in bf16 with the frozen Linears
+    assert cast not in parts(estimate(settings(mixed_precision="bf16"), untied, None, []))
