@@ -380,8 +380,9 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
              f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
         Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
     ]
-    if lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and s.sharding in ("none", "zero2"):
+    if lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and not s.fsdp_per_block:
         # engine/generate.py head_cast_once: the frozen tied head cast once for the whole generate() call
+        # (with the policy whole while sampling: FSDP per block shards it, and head_cast_once leaves it)
         rollout.append(Line("rollout", "LM head cast for sampling", policy.vocab * policy.hidden * 2 / GB,
                             f"the tied head, {policy.vocab} x {policy.hidden} x 2 B ({s.mixed_precision}), while sampling",
                             "rollout"))

@@ -635,5 +635,7 @@ def test_a_tied_head_is_counted_once_more_in_bf16_while_sampling_under_autocast(
     assert cast not in parts(estimate(settings(), shape, None, []))  # no autocast: the head is used as it is
     assert cast not in parts(estimate(settings(mixed_precision="bf16", lora=None), shape, None, []))  # trained head
     assert cast not in parts(estimate(settings(mixed_precision="bf16", dtype="bfloat16"), shape, None, []))
+    assert cast not in parts(estimate(settings(mixed_precision="bf16", sharding="fsdp", processes=2, fsdp_per_block=True),
+                                      shape, None, []))  # sharded while sampling: each block's own forward gathers it
     untied = dataclasses.replace(shape, tied_head=False)  # its own head: stored in bf16 with the frozen Linears
     assert cast not in parts(estimate(settings(mixed_precision="bf16"), untied, None, []))
