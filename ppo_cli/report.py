@@ -76,7 +76,9 @@ class TrainScreen:
             choices = "; ".join(data[k] for k in ("precision", "checkpointing") if data.get(k))
             console.print(f"loading models for [bold]{data['name']}[/] ({choices}) ...", soft_wrap=True)
         elif what == "resumed":
-            console.print(f"resumed from {data['checkpoint']} at update {data['step']}")
+            console.print(f"resumed from {data['checkpoint']} at update {data['step']}", soft_wrap=True)
+            if data.get("changes"):
+                console.print("with recipe changes: " + "; ".join(data["changes"]), soft_wrap=True)
         elif what == "start":
             self.progress = TrainProgress(data["total"], data["step"], data["log_every"]).__enter__()
         elif what == "update" and self.progress is not None:

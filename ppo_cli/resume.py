@@ -33,15 +33,29 @@ def _flatten(data: dict, prefix: str = "") -> dict:
     return flat
 
 
-def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
-    """'key: saved -> new' for every setting that changes what the run computes."""
+def _changes(saved: Recipe, new: Recipe, resumable: bool) -> list[str]:
     old_flat, new_flat = _flatten(saved.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
     keys = sorted(set(old_flat) | set(new_flat))
     return [
         f"{key}: {old_flat.get(key)!r} -> {new_flat.get(key)!r}"
         for key in keys
-        if old_flat.get(key) != new_flat.get(key) and not key.startswith(RESUMABLE_CHANGES)
+        if old_flat.get(key) != new_flat.get(key) and key.startswith(RESUMABLE_CHANGES) == resumable
     ]
+
+
+def recipe_differences(saved: Recipe, new: Recipe) -> list[str]:
+    """'key: saved -> new' for every setting that changes what the run computes."""
+    return _changes(saved, new, resumable=False)
+
+
+def resume_changes(saved: Recipe, new: Recipe) -> list[str]:
+    """'key: saved -> new' for the settings a resume may change (RESUMABLE_CHANGES): said when it
+    resumes, as a recipe file without a --set the run started with (train.save_every) changes them too.
+    A checkpointing run resumed with train.save_every 0 gets the consequence spelled out."""
+    changes = _changes(saved, new, resumable=True)
+    if saved.train.save_every > 0 and new.train.save_every == 0:
+        changes.append("so this run writes no more checkpoints (pass --set train.save_every=N to keep them)")
+    return changes
 
 
 def resume_command(recipe: Recipe, recipe_path: Path | str, overrides: Sequence[str] = (), options: Sequence[str] = (),

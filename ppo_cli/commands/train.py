@@ -28,7 +28,7 @@ Show = Callable[[str, dict], None]
 nothing here prints):
 
     "loading"  {"name", "precision"}           before the models load
-    "resumed"  {"checkpoint", "step"}          a resumed run's checkpoint, loaded
+    "resumed"  {"checkpoint", "step", "changes"}  a resumed run's checkpoint, loaded; the resumable settings it changed
     "start"    {"total", "step", "log_every"}  the updates begin (at ``step``)
     "update"   the update's metrics            after each update
     "warning"  a health warning (monitor.HealthWarning as a dict)
@@ -175,6 +175,10 @@ def _open_run_dir(recipe: Recipe, overwrite: bool, resuming: bool, dist):
 
     run_dir, footprint = RunDir(recipe.run_dir), None
     if resuming:
+        # The recipe the run goes on with (a new total_updates, save_every; what --force accepted), so
+        # that the run's own recipe.yaml resumes it and compare / eval read what it ran with last.
+        if dist.is_main:
+            atomic_write_text(run_dir.recipe, dump_resolved(recipe))
         return run_dir, None
     dist.wait()  # nobody may see the directory the main process is about to create as "existing"
     if dist.is_main:
@@ -373,13 +377,19 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         state = init_state(engine, prompts, dist)
     except OutOfMemory as err:
         raise advice_from_plan(err, recipe, recipe_path, dist.device, overrides) from err
+    if checkpoint is not None:  # read before _open_run_dir writes the recipe the run goes on with
+        from ppo_cli.recipe_loading import load_recipe
+        from ppo_cli.resume import resume_changes
+        from ppo_cli.runs import RunDir
+
+        changes = resume_changes(load_recipe(RunDir(recipe.run_dir).recipe), recipe)
     run_dir, footprint = _open_run_dir(recipe, overwrite, checkpoint is not None, dist)
     if checkpoint is not None:
         load_training_state(state, checkpoint)
         if dist.is_main:
             truncate_jsonl(run_dir.metrics, state.step)
             truncate_jsonl(run_dir.samples, state.step)
-            show("resumed", {"checkpoint": str(checkpoint), "step": state.step})
+            show("resumed", {"checkpoint": str(checkpoint), "step": state.step, "changes": changes})
     try:
         enter_phase("evaluation")
         with (_gathered_for_evaluation(dist, state.model, eval_prompts),

@@ -379,6 +379,23 @@ def test_a_finished_run_without_checkpoints_says_how_to_train_further(tmp_path):
                                          f"train further from its result in a new run: --set policy.adapter={run.final}")
 
 
+def test_a_resume_names_the_settings_it_changes_and_says_when_checkpoints_stop():
+    """A recipe file resumed without the --set a run started with changes train.save_every silently
+    otherwise: the resume says what it changed, and what a save_every of 0 means for the run."""
+    from ppo_cli.recipe import Recipe
+    from ppo_cli.resume import recipe_differences, resume_changes
+
+    started = Recipe.model_validate({"name": "r", "policy": {"path": "m"}, "data": {"prompts": "p.txt"},
+                                     "reward": {"components": [{"type": "function", "function": "f.py:f"}]},
+                                     "train": {"total_updates": 2, "save_every": 1}})
+    resumed = started.model_copy(update={"train": started.train.model_copy(update={"total_updates": 4, "save_every": 0})})
+    assert resume_changes(started, resumed) == [
+        "train.save_every: 1 -> 0", "train.total_updates: 2 -> 4",
+        "so this run writes no more checkpoints (pass --set train.save_every=N to keep them)"]
+    assert recipe_differences(started, resumed) == []  # both may change on a resume
+    assert resume_changes(started, started) == []
+
+
 def test_validate_reads_the_reward_file_for_the_function_name_without_running_it(tmp_path):
     from ppo_cli.engine.rewards.function import check_defines as _check_defines
     from ppo_cli.errors import RewardFunctionError

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, tiny_overrides, is_wall_clock
 
@@ -135,6 +136,9 @@ def test_a_finished_run_says_so_on_resume_and_extends_exactly(tiny_models, tmp_p
     extended = subprocess.run(_cmd(tiny_models, tmp_path, "--resume"), env=_env(), capture_output=True, text=True)
     assert extended.returncode == 0, extended.stderr
     assert "step-000004 at update 4" in extended.stdout
+    assert "with recipe changes: train.total_updates: 4 -> 6" in extended.stdout
+    # the run's own recipe now says what it ran with last, so it resumes and reports the run as it is
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["total_updates"] == 6
     _assert_same_metrics(_metrics(run), uninterrupted)
 
 
