@@ -294,8 +294,9 @@ PromptsOpt = Annotated[
 FieldOpt = Annotated[Optional[str], typer.Option("--field", help="Prompt column of .jsonl / dataset rows. Default: the recipe's data.field, else 'prompt', else 'messages'.", show_default=False)]
 RunOpt = Annotated[
     Optional[Path],
-    typer.Option("--run", help="Run directory that base/aligned refer to. Default: the most recently modified run "
-                 "under the recipe's output_dir (runs/).", show_default=False),
+    typer.Option("--run", help="Run directory that base/aligned refer to. Default: the run --recipe names "
+                 "(output_dir/name) where it exists, else the most recently modified run under the recipe's "
+                 "output_dir (runs/).", show_default=False),
 ]
 RecipeOpt = Annotated[
     Optional[Path],

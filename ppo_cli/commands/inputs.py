@@ -37,7 +37,7 @@ def recipe_of_rollouts(rollouts: Path, note: Callable[[str], None]) -> Path | No
 def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, temperature=None, seed=None, *,
                       note: Callable[[str], None]):
     """Load the recipe (--recipe, else the models' run's) with the flags applied, and resolve the models."""
-    from ppo_cli.model_refs import recipe_for_models, resolve_model_reference
+    from ppo_cli.model_refs import MODEL_ALIASES, recipe_for_models, resolve_model_reference
     from ppo_cli.recipe_loading import load_recipe
 
     if temperature is not None and not temperature > 0:
@@ -46,6 +46,11 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
     sets = [*(overrides or ()), *(f"{key}={value}" for key, value in flags.items() if value is not None)]
     loaded = load_recipe(recipe_path, sets) if recipe_path is not None else None
     root = loaded.output_dir if loaded is not None else "runs"
+    if run is None and loaded is not None and any(ref in MODEL_ALIASES for ref in refs):
+        from ppo_cli.runs import RunDir
+
+        if RunDir(loaded.run_dir).is_run():  # base / aligned of the run --recipe names, where it has run
+            run = loaded.run_dir
     models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
     if loaded is None:
         recipe_path = recipe_for_models(models, run, output_root=root)

@@ -130,6 +130,29 @@ def test_aliases_default_to_the_latest_run_under_runs(ws: Workspace, tmp_path: P
     assert read_jsonl(out)[0]["model_path"] == "runs/tiny/final"
 
 
+def test_aliases_with_a_recipe_mean_the_run_it_names_else_the_latest(ws: Workspace, tmp_path: Path):
+    """--recipe names a run (output_dir/name): base and aligned are that run's when it has run, not a
+    newer run's beside it; a recipe whose run does not exist keeps the latest run under its output_dir."""
+    import os
+    import shutil
+
+    import yaml
+
+    runs = tmp_path / "runs"
+    for name in ("tiny", "newer"):
+        shutil.copytree(ws.run, runs / name)
+    os.utime(runs / "newer", (os.path.getmtime(runs / "tiny") + 60,) * 2)  # the latest run
+    recipe = yaml.safe_load((ws.run / "recipe.yaml").read_text())
+    recipe["output_dir"] = str(runs)
+    for name in ("tiny", "absent"):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**recipe, "name": name}))
+    for name, expected in (("tiny", runs / "tiny"), ("absent", runs / "newer")):
+        out = tmp_path / f"{name}.jsonl"
+        ok("rollout", "aligned", "--recipe", tmp_path / f"{name}.yaml", "--prompts", ws.prompts, "--out", out,
+           "--max-new-tokens", 2)
+        assert Path(read_jsonl(out)[0]["model_path"]) == expected / "final"
+
+
 # --- score and eval ----------------------------------------------------------------------------
 
 
