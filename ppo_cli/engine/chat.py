@@ -57,6 +57,18 @@ def render_template(tokenizer, messages: list[Message], add_generation_prompt: b
                         hint=hint) from None
 
 
+def plain_text_note(prompts: list[Prompt], tokenizer, data) -> str | None:
+    """A note where string prompts go to a policy without the chat template its tokenizer has
+    (data.chat_template off, as TRL does with plain-text prompts): a chat model given a bare string
+    often ends its answer at once, and a reward that likes short answers then pays for empty ones."""
+    if data.chat_template or data.system_prompt or not getattr(tokenizer, "chat_template", None):
+        return None
+    if not any(isinstance(prompt, str) for prompt in prompts):
+        return None
+    return ("note: the prompts are plain text and reach the policy without its tokenizer's chat template; "
+            "a chat model may answer them with nothing: set data.chat_template: true to send each as a user turn")
+
+
 def template_ids(messages: list[Message], tokenizer, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of the templated conversation; the template's own special tokens only."""
     text = render_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)

@@ -107,3 +107,17 @@ def test_a_template_that_refuses_a_system_turn_is_one_line_naming_the_fix(chat_t
         encode_prompt("the dog", strict, data)
     assert str(err.value).endswith("refuses a conversation (system, user): System role not supported")
     assert err.value.hint.startswith("this template takes no system turn: remove data.system_prompt")
+
+
+def test_plain_text_prompts_to_a_chat_model_without_its_template_get_a_note(chat_tokenizer):
+    from ppo_cli.engine.chat import plain_text_note
+
+    conversation = [{"role": "user", "content": "hi"}]
+    note = plain_text_note(["Write a haiku.", conversation], chat_tokenizer, _data())
+    assert note == ("note: the prompts are plain text and reach the policy without its tokenizer's chat template; "
+                    "a chat model may answer them with nothing: set data.chat_template: true to send each as a user turn")
+    assert plain_text_note(["Write a haiku."], chat_tokenizer, _data(chat_template=True)) is None
+    assert plain_text_note(["Write a haiku."], chat_tokenizer, _data(system_prompt="Be brief.")) is None
+    assert plain_text_note([conversation], chat_tokenizer, _data()) is None  # conversations use the template
+    no_template = chat_tokenizer.__class__(tokenizer_object=chat_tokenizer.backend_tokenizer, bos_token="<s>", pad_token="<pad>")
+    assert plain_text_note(["The movie was"], no_template, _data()) is None  # a base model: text is what it reads
