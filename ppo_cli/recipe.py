@@ -835,6 +835,8 @@ class Recipe(Section):
                     key="ppo.micro_batch_size",
                 )
             return self
+        if G == 1 and ppo.advantage in ("grpo", "rloo"):
+            self._estimator_fits()  # a group of one is what to fix first: it is also why the batch falls short
         if G == 1:
             message = (f"rollout_batch_size ({ppo.rollout_batch_size}) must be a multiple of mini_batch_size "
                        f"({ppo.mini_batch_size})")

@@ -143,6 +143,9 @@ def test_a_rule_located_in_the_file_names_the_field_that_came_from_set(monkeypat
         load_recipe(Path("recipes/tiny_grpo.yaml"), ["generation.num_generations=1"])
     assert caught.value.message.endswith("needs generation.num_generations >= 2, got 1 (generation.num_generations from --set)")
     assert caught.value.message.startswith("recipes/tiny_grpo.yaml:")
+    with pytest.raises(RecipeError) as caught:  # 4 prompts x 1 no longer fill a mini-batch of 16: the group is named
+        load_recipe(Path("recipes/tiny_grpo.yaml"), ["generation.num_generations=1", "ppo.rollout_batch_size=4"])
+    assert "needs generation.num_generations >= 2, got 1" in caught.value.message
     with pytest.raises(RecipeError) as caught:  # the located field itself from --set: the line starts with it
         load_recipe(Path("recipes/tiny_sentiment.yaml"), ["ppo.mini_batch_size=3"])
     assert caught.value.message == "--set ppo.mini_batch_size: rollout_batch_size (64) must be a multiple of mini_batch_size (3)"
