@@ -163,6 +163,18 @@ def test_validate_refuses_a_reward_function_taking_a_column_the_prompt_rows_lack
     ]
 
 
+def test_validate_refuses_a_trl_reward_function_requiring_what_ppo_cli_does_not_pass(tmp_path, monkeypatch):
+    """As train does when it imports the function (engine/rewards/function.py), from the source."""
+    _minimal_workspace(tmp_path, monkeypatch, "def length_reward(completions, trainer_state, **kwargs):\n    return []\n")
+    result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr.splitlines() == [
+        "error: reward function 'rewards.py:length_reward' requires trainer_state, which ppo_cli does not pass "
+        "(it passes prompts, completions and the rows' columns, by keyword)",
+        "hint: give trainer_state a default (=None) or take **kwargs",
+    ]
+
+
 def test_validate_checks_the_eval_prompts_rows_columns_too(tmp_path, monkeypatch):
     _minimal_workspace(tmp_path, monkeypatch, "def length_reward(prompts, responses, answer, hint=None):\n    return []\n")
     result = invoke("validate", MINIMAL, "--set", "data.prompts=my/train.jsonl")

@@ -23,8 +23,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, accepted_columns, called_like_trl, declared_columns,
-                                                     missing_columns_error, required_columns, required_parameters)
+from ppo_cli.engine.rewards.function_columns import (accepted_columns, called_like_trl, columns_required,
+                                                     declared_parameters, missing_columns_error, required_columns,
+                                                     required_parameters, unpassed_arguments_error)
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
@@ -72,7 +73,11 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
     if import_functions:
         required = required_columns(load_reward_function(component.function))
     else:
-        required = declared_columns(Path(target), name) if target.endswith(".py") else None
+        parameters = declared_parameters(Path(target), name) if target.endswith(".py") else None
+        error = unpassed_arguments_error(component.function, parameters) if parameters is not None else None
+        if error is not None:
+            raise error
+        required = None if parameters is None else columns_required(parameters)
     if not required:
         return
     for source, prompt_set in rows:
@@ -97,19 +102,19 @@ def load_reward_function(spec: str) -> Callable:
         raise RewardFunctionError(f"'{target}' has no function '{name}'",
                                   hint=f"'{name}' there is a {type(fn).__name__}; {define}")
     if called_like_trl(fn):
-        unpassed = sorted(set(required_parameters(fn)) & NOT_PASSED)
-        if unpassed:
-            raise RewardFunctionError(
-                f"reward function '{spec}' requires {', '.join(unpassed)}, which ppo_cli does not pass "
-                "(it passes prompts, completions and the rows' columns, by keyword)",
-                hint=f"give {', '.join(unpassed)} a default (=None) or take **kwargs")
+        required = set(required_parameters(fn))
+        error = unpassed_arguments_error(spec, [(p, p in required) for p in inspect.signature(fn).parameters])
+        if error is not None:
+            raise error
         return fn
     try:
         inspect.signature(fn).bind_partial(["p"], ["r"])  # further parameters are dataset columns
     except TypeError:
         raise RewardFunctionError(
-            f"reward function '{spec}' must take two arguments (prompts, responses)",
-            hint=f"def {name}(prompts: list[str], responses: list[str], **columns) -> list[float]",
+            f"reward function '{spec}' must take two arguments (prompts, responses), or be written for TRL "
+            "(a parameter named completions, called by keyword)",
+            hint=f"def {name}(prompts: list[str], responses: list[str], **columns) -> list[float], "
+                 f"or def {name}(completions, **kwargs) -> list[float]",
         ) from None
     return fn
 

@@ -64,11 +64,11 @@ def required_columns(fn: Callable) -> set[str]:
     return columns_required([(name, name in required) for name in inspect.signature(fn).parameters])
 
 
-def declared_columns(path: Path, name: str) -> set[str] | None:
-    """The columns the function ``name`` of the file ``path`` cannot do without, read, not run; None when
-    the source does not say: the file does not parse, or ``name`` is last bound at its top level by
-    something other than an undecorated ``def`` (an assignment, an import, a decorator that may change
-    the signature). Scoring checks those."""
+def declared_parameters(path: Path, name: str) -> list[tuple[str, bool]] | None:
+    """(name, required) of the function ``name`` of the file ``path``, read, not run; None when the source
+    does not say: the file does not parse, or ``name`` is last bound at its top level by something other
+    than an undecorated ``def`` (an assignment, an import, a decorator that may change the signature).
+    Scoring checks those."""
     try:
         tree = ast.parse(path.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError, OSError):
@@ -77,7 +77,27 @@ def declared_columns(path: Path, name: str) -> set[str] | None:
     function = bound[-1] if bound else None
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
         return None
-    return columns_required(_parameters(function.args))
+    return _parameters(function.args)
+
+
+def declared_columns(path: Path, name: str) -> set[str] | None:
+    """The columns the function ``name`` of the file ``path`` cannot do without (declared_parameters)."""
+    parameters = declared_parameters(path, name)
+    return None if parameters is None else columns_required(parameters)
+
+
+def unpassed_arguments_error(spec: str, parameters: list[tuple[str, bool]]) -> RewardFunctionError | None:
+    """A TRL-style function that requires what ppo_cli does not pass (NOT_PASSED), from its (name,
+    required) parameters: the same line from the imported function (train) and its source (validate)."""
+    if not is_trl_style(name for name, _ in parameters):
+        return None
+    unpassed = sorted({name for name, required in parameters if required} & NOT_PASSED)
+    if not unpassed:
+        return None
+    return RewardFunctionError(
+        f"reward function '{spec}' requires {', '.join(unpassed)}, which ppo_cli does not pass "
+        "(it passes prompts, completions and the rows' columns, by keyword)",
+        hint=f"give {', '.join(unpassed)} a default (=None) or take **kwargs")
 
 
 def _names_bound(node: ast.stmt) -> set[str]:
