@@ -104,8 +104,8 @@ def head_cast_once(model):
     by its own forward, is left as it is.
     """
     head = unwrap_causal_lm(model).get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if (type(head) is not torch.nn.Linear or weight.requires_grad or weight.dtype != torch.float32
+    weight = head.weight if type(head) is torch.nn.Linear else None
+    if (weight is None or weight.requires_grad or weight.dtype != torch.float32
             or type(weight.data) is not torch.Tensor or weight.numel() == 0
             or not torch.is_autocast_enabled(weight.device.type)):
         yield

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.rewards.function_columns import (accepted_columns, called_like_trl, columns_required,
                                                      declared_parameters, missing_columns_error, required_columns,
-                                                     required_parameters, unpassed_arguments_error)
+                                                     signature_parameters, unpassed_arguments_error)
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
@@ -74,10 +74,12 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
         required = required_columns(load_reward_function(component.function))
     else:
         parameters = declared_parameters(Path(target), name) if target.endswith(".py") else None
-        error = unpassed_arguments_error(component.function, parameters) if parameters is not None else None
-        if error is not None:
-            raise error
-        required = None if parameters is None else columns_required(parameters)
+        required = None
+        if parameters is not None:  # what load_reward_function refuses at train, from the source
+            error = unpassed_arguments_error(component.function, parameters)
+            if error is not None:
+                raise error
+            required = columns_required(parameters)
     if not required:
         return
     for source, prompt_set in rows:
@@ -102,8 +104,7 @@ def load_reward_function(spec: str) -> Callable:
         raise RewardFunctionError(f"'{target}' has no function '{name}'",
                                   hint=f"'{name}' there is a {type(fn).__name__}; {define}")
     if called_like_trl(fn):
-        required = set(required_parameters(fn))
-        error = unpassed_arguments_error(spec, [(p, p in required) for p in inspect.signature(fn).parameters])
+        error = unpassed_arguments_error(spec, signature_parameters(fn))
         if error is not None:
             raise error
         return fn

@@ -2,7 +2,7 @@
 
 One rule (``columns_required``) over a function's parameters, read from the imported function
 (``required_columns``: train, scoring) or from its file's source without running it
-(``declared_columns``: validate). A function is called ``fn(prompts, responses, **columns)``, so its
+(``declared_parameters`` / ``declared_columns``: validate). A function is called ``fn(prompts, responses, **columns)``, so its
 columns are its parameters after the first two; a TRL-style function, one with a ``completions``
 parameter, is given everything by keyword, so its columns are its parameters but TRL's own names.
 Only parameters without a default count, never ``*args`` / ``**kwargs``. ``accepted_columns``: the
@@ -58,10 +58,15 @@ def accepted_columns(fn: Callable) -> set[str] | None:
     return {p.name for p in positional[2:]} | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
+def signature_parameters(fn: Callable) -> list[tuple[str, bool]]:
+    """(name, required) of the imported function ``fn``, as declared_parameters reads them from a source."""
+    required = set(required_parameters(fn))
+    return [(name, name in required) for name in inspect.signature(fn).parameters]
+
+
 def required_columns(fn: Callable) -> set[str]:
     """The columns the imported function ``fn`` cannot do without."""
-    required = set(required_parameters(fn))
-    return columns_required([(name, name in required) for name in inspect.signature(fn).parameters])
+    return columns_required(signature_parameters(fn))
 
 
 def declared_parameters(path: Path, name: str) -> list[tuple[str, bool]] | None:
