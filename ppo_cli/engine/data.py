@@ -89,6 +89,10 @@ def prompt_from_value(value, column: str, where: str) -> Prompt:
     ``prompt`` column a final assistant turn is an error, since dropping it would change the prompt.
     """
     if isinstance(value, str):
+        if column == "messages":  # TRL's conversational column: a string there is a mislabelled prompt
+            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} messages, got a string",
+                            hint="put a plain-text prompt in a 'prompt' column, or write "
+                            '[{"role": "user", "content": ...}]')
         return value
     if not isinstance(value, list):
         raise DataError(

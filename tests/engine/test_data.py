@@ -122,6 +122,16 @@ def test_malformed_conversation_rows(tmp_path, value, problem):
     assert str(err.value) == f"{path}:1: {problem}"
 
 
+def test_a_string_in_a_messages_column_is_refused_not_read_as_plain_text(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"messages": [USER]}, {"messages": "Why is the sky blue?"}])
+    with pytest.raises(DataError) as err:
+        read_prompts(path)
+    assert str(err.value) == f"{path}:2: 'messages' must be a list of {{role, content}} messages, got a string"
+    assert "'prompt' column" in err.value.hint
+    plain = _jsonl(tmp_path / "q.jsonl", [{"prompt": "Why is the sky blue?"}])  # the same text as a prompt: read
+    assert read_prompts(plain).prompts == ["Why is the sky blue?"]
+
+
 def test_hub_id_with_the_hub_offline_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # an empty cache: nothing to fall back on
