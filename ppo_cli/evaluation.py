@@ -208,6 +208,22 @@ def no_row_scored(failure) -> Exception:
     return RewardServerError(f"no row got a reward: {failure}", hint="check that the reward server or judge answers, then run again")
 
 
+def no_held_out_reward(rows: list[dict], failures: list[str], before: bool) -> Exception:
+    """Why no held-out row got a reward: every episode's environment failed (the fix is there), or the
+    reward did; and what to do then, before the first update (nothing kept) or after the last one."""
+    from ppo_cli.errors import RESUME, RewardServerError
+
+    then = ("run the same ppo train again (the run stopped before its first update, so nothing was kept)" if before
+            else f"continue with {RESUME} (the checkpoints written so far are intact)")
+    failed, first_env_failure = env_failures(rows)
+    if failed == len(rows):
+        return RewardServerError(
+            f"no held-out episode got a reward: every episode's environment failed: {first_env_failure or 'no failure line'}",
+            hint=f"fix the environment (ppo rollout writes each episode's env_failure), then {then}")
+    return RewardServerError(f"no held-out prompt got a reward: {failures[0] if failures else 'every reward failed'}",
+                             hint=f"check that the reward server or judge answers, then {then}")
+
+
 def env_failures(rows: list[dict]) -> tuple[int, str | None]:
     """How many episodes' environments failed, and the first one's failure (None: none said why)."""
     failed = [r for r in rows if r.get("env_failed")]
@@ -246,7 +262,7 @@ def share_of(items: list, rank: int, world_size: int) -> list:
     return items[start:start + per + (1 if rank < extra else 0)]
 
 
-def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
+def held_out(engine, prompts: list[str], seed: int, dist=None, *, before: bool = False) -> dict | None:
     """`ppo train`'s before / after numbers: mean score, EOS rate, length and KL to the reference
     (summed over each response) on the held-out prompts, one response each, sampled with a fixed seed
     and scored by the training engine's reward, as `ppo eval` samples and scores.
@@ -255,7 +271,8 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
     ppo.rollout_batch_size with the seed plus its rank, so one process samples exactly what `ppo eval` and
     `ppo compare` sample from the same model with the recipe's seed (their default batch size); the main process
     gets every prompt's result in the prompts' order, the others None. Under FSDP or ZeRO-3 call it
-    inside ``dist.full_parameters``: generation then needs no communication."""
+    inside ``dist.full_parameters``: generation then needs no communication. ``before``: the evaluation
+    before the first update (a run that stops there keeps nothing, so the fix is to start it again)."""
     rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     share = share_of(prompts, rank, world_size)
     settings = recipe_sampling(engine.recipe, seed + rank)
@@ -270,10 +287,7 @@ def held_out(engine, prompts: list[str], seed: int, dist=None) -> dict | None:
         rows = [row for part, _ in parts for row in part]
         failures = [f for _, part in parts for f in part]
     if rows and all(r["reward"] is None for r in rows):
-        from ppo_cli.errors import RESUME, RewardServerError
-
-        raise RewardServerError(f"no held-out prompt got a reward: {failures[0] if failures else 'every reward failed'}",
-                                hint=f"check that the reward server or judge answers; checkpoints written so far are intact ({RESUME})")
+        raise no_held_out_reward(rows, failures, before)
     summary = summarize_rows(rows)
     return {
         HELD_OUT_SCORE: summary["reward"]["mean"], HELD_OUT_REWARD_FAILED: summary["reward_failed"],

@@ -199,7 +199,7 @@ def _evaluate_before(engine, eval_prompts, run_dir, recipe, dist):
         return None
     if dist.gather_objects(path.exists())[0]:  # the main process's view, so all skip or none
         return json.loads(path.read_text()) if dist.is_main else None
-    before = held_out(engine, eval_prompts, recipe.seed, dist)
+    before = held_out(engine, eval_prompts, recipe.seed, dist, before=True)
     if dist.is_main:
         atomic_write_text(path, json.dumps(before, indent=2))
     return before

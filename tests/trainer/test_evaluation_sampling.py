@@ -7,6 +7,7 @@ import pytest
 
 from ppo_cli import evaluation
 from ppo_cli.commands.inputs import sampling_settings
+from ppo_cli.errors import RewardServerError
 from ppo_cli.evaluation import SamplingSettings, held_out
 from ppo_cli.recipe_loading import load_recipe
 from tests.conftest import ROOT
@@ -47,3 +48,28 @@ def test_each_process_samples_its_share_with_seed_plus_rank_in_the_same_batches(
     prompts, settings = settings_of_held_out(recipe, recipe.seed, dist)
     assert prompts == PROMPTS[6:]
     assert settings == SamplingSettings(8, num_samples=1, batch_size=4)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_no_held_out_reward_names_the_environment_when_every_episode_failed(monkeypatch, before):
+    """An environment failing every held-out episode is named with its fix, not as a reward server's failure;
+    before the first update the run keeps nothing, so the fix is to start again, not to resume."""
+    failing = [{"prompt": p, "response": "", "env_failed": True, "env_failure": f"env.py:Game.reset raised KeyError: {i}"}
+               for i, p in enumerate(PROMPTS[:2])]
+    monkeypatch.setattr(evaluation, "sample_rows", lambda *a, **k: failing)
+    monkeypatch.setattr(evaluation, "score_rows", lambda reward, rows, failures: [{**r, "reward": None} for r in rows])
+    recipe = load_recipe(ROOT / "recipes" / "tiny_tools.yaml")
+    with pytest.raises(RewardServerError) as err:
+        held_out(SimpleNamespace(recipe=recipe, reward=None), PROMPTS[:2], 0, before=before)
+    assert err.value.message == ("no held-out episode got a reward: every episode's environment failed: "
+                                 "env.py:Game.reset raised KeyError: 0")
+    assert err.value.hint == "fix the environment (ppo rollout writes each episode's env_failure), then " + (
+        "run the same ppo train again (the run stopped before its first update, so nothing was kept)" if before
+        else "continue with ppo train RECIPE --resume (the checkpoints written so far are intact)")
+
+
+def test_no_held_out_reward_from_the_reward_says_so():
+    rows = [{"prompt": "a", "reward": None, "env_failed": False}, {"prompt": "b", "reward": None}]
+    err = evaluation.no_held_out_reward(rows, ["judge http://x: HTTP 500"], before=True)
+    assert err.message == "no held-out prompt got a reward: judge http://x: HTTP 500"
+    assert err.hint.startswith("check that the reward server or judge answers, then run the same ppo train again")

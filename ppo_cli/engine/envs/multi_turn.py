@@ -276,9 +276,10 @@ class MultiTurnSampler:
         sampled = self.inner.sample(policy, sequences, mask, with_logprobs=with_logprobs, keep_hidden=keep_hidden,
                                     max_new_tokens=self._turn_budget(max(episodes[i].remaining for i in rows)))
         for k, i in enumerate(rows):
+            reset_failure = episodes[i].failure  # read first: a turn cut short ends the episode, clearing it
             run.last[i] = self._add_turn(episodes[i], sampled, k)
-            if episodes[i].failure is not None:  # its reset failed
-                episodes[i].end("failed", episodes[i].failure)
+            if reset_failure is not None:
+                episodes[i].end("failed", reset_failure)
         run.turns += 1
         run.sampled = rows
         run.stepped = {i: dict(episodes[i].messages[-1]) for i in rows if episodes[i].ended_by is None}

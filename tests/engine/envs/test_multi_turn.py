@@ -176,9 +176,11 @@ def test_a_crashing_step_fails_its_episode_and_is_counted(chatml, envs_file):
     assert episode_metrics(result.episodes)["env/failed_rate"] == 1.0
 
 
-def test_a_failed_reset_still_samples_one_turn_and_fails(chatml, envs_file):
-    result, inner, _ = run(chatml, {"type": "python", "class": f"{envs_file}:CrashesAtReset"}, [["5"]], ["a"])
-    assert len(inner.calls) == 1 and response(result, 0)[0] == ids(chatml, "5") + [stop(chatml)]
+@pytest.mark.parametrize("turn", ["5", "5 6 7" + ScriptedSampler.NO_STOP])  # the turn ends, or is cut short
+def test_a_failed_reset_still_samples_one_turn_and_fails(chatml, envs_file, turn):
+    result, inner, _ = run(chatml, {"type": "python", "class": f"{envs_file}:CrashesAtReset"}, [[turn]], ["a"])
+    sampled = ids(chatml, turn.removesuffix(ScriptedSampler.NO_STOP))
+    assert len(inner.calls) == 1 and response(result, 0)[0] == sampled + ([] if turn.endswith(ScriptedSampler.NO_STOP) else [stop(chatml)])
     assert result.episodes[0].failure == f"environment {envs_file}:CrashesAtReset.reset raised KeyError: 'board'"
     assert result.episodes[0].ended_by == "failed"
 
