@@ -221,7 +221,7 @@ def no_held_out_reward(rows: list[dict], failures: list[str], before: bool) -> E
             f"no held-out episode got a reward: every episode's environment failed: {first_env_failure or 'no failure line'}",
             hint=f"fix the environment (ppo rollout writes each episode's env_failure), then {then}")
     return RewardServerError(f"no held-out prompt got a reward: {failures[0] if failures else 'every reward failed'}",
-                             hint=f"check that the reward server or judge answers, then {then}")
+                             hint=f"check the reward (a server or judge that does not answer, functions that return None), then {then}")
 
 
 def env_failures(rows: list[dict]) -> tuple[int, str | None]:

@@ -369,7 +369,7 @@ def _filter_rounds_exhausted(h: History, c: MonitorConfig):
 @rule(
     "reward_failures",
     cause="the reward failed for some completions (a server that timed out or answered 5xx after its retries, an "
-    "answer that was not JSON or had the wrong length, a judge answer with no number, a function's None); they "
+    "answer that was not JSON or had the wrong length, a judge answer with no number, a None from every function); they "
     "left the update, so it learns from fewer episodes",
     fix="see reward/failed_rate/NAME in metrics.jsonl for the component; raise its timeout_s or retries under "
     "reward.components, lower its max_concurrency or batch_size if the server is overloaded, or fix what it answers; "

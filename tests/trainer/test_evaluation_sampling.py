@@ -72,4 +72,5 @@ def test_no_held_out_reward_from_the_reward_says_so():
     rows = [{"prompt": "a", "reward": None, "env_failed": False}, {"prompt": "b", "reward": None}]
     err = evaluation.no_held_out_reward(rows, ["judge http://x: HTTP 500"], before=True)
     assert err.message == "no held-out prompt got a reward: judge http://x: HTTP 500"
-    assert err.hint.startswith("check that the reward server or judge answers, then run the same ppo train again")
+    assert err.hint.startswith("check the reward (a server or judge that does not answer, functions that return None), "
+                               "then run the same ppo train again")

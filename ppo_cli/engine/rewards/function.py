@@ -10,9 +10,10 @@ them), each completion a string for a plain-text prompt and ``[{"role": "assista
 for a conversation; TRL's ``completion_ids`` and
 ``trainer_state`` are not passed (a function that requires them is refused when it loads). Which
 columns a function requires: function_columns.py. ``async def`` functions are awaited, together with
-the recipe's other asynchronous components. A None in what it returns marks a completion it could not
-score, and so does a NaN or an infinity: that completion leaves the update and is counted
-(reward/failed_rate), as one a reward server failed to score does.
+the recipe's other asynchronous components. A None in what it returns (or a NaN or an infinity) is
+TRL's "this reward does not apply here": the completion's reward is the sum of the components that
+scored it; a completion no component scored leaves the update and is counted (reward/failed_rate),
+as one a reward server failed to score does.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class FunctionScorer:
         self.parameters = set(inspect.signature(self.fn).parameters)
         self.reads_columns = self.columns is None or bool(self.columns)
         self.failure: str | None = None
+        self.skips_none = True  # a None is TRL's "does not apply here" (RewardStack: combine_components)
         self.where = f"reward function '{self.spec}'"
         if inspect.iscoroutinefunction(self.fn):
             self.ascore = self._ascore

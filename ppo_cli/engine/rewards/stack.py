@@ -3,8 +3,9 @@ weights, penalties.
 
 A reward is a weighted sum of components, minus penalties (missing stop token, over-length).
 Every component's per-episode value is kept so `ppo score` and the metrics can show them. A
-component may fail to score a completion (a server that timed out, a judge answer with no number, a
-function's None): its value is then None, and so is that completion's total. Components with an
+component may fail to score a completion (a server that timed out, a judge answer with no number):
+its value is then None, and so is that completion's total. A function's None is TRL's "does not
+apply": the total sums the components that scored it, and is None only when none did. Components with an
 ``ascore`` coroutine (http, judge, async functions) are awaited together in a thread of their own
 while the others (reward models) score here; a rollout sends the remote ones' (http, judge) requests
 while it is still sampling (``stream``, engine/rewards/stream.py).
@@ -48,6 +49,33 @@ class ScoreResult:
     def scored(self) -> list[bool]:
         """(B,) True where every component scored the episode."""
         return [score is not None for score in self.scores]
+
+
+def combine_components(scorers: list, values: list[list]) -> tuple[list, dict[str, list], dict[str, str]]:
+    """(B,) totals, name -> (B,) values, name -> failure line: the components' weighted sum per episode.
+
+    A function's None (or NaN) is TRL's "this reward does not apply here": the episode's total is the
+    weighted sum of the components that did score it (TRL's nansum over reward functions). An episode
+    no function scored, or one a server, judge or model failed to score, has no total (None) and the
+    component's failure line is kept: it leaves the update, counted, never scored 0."""
+    count = len(values[0]) if values else 0
+    totals: list = [0.0] * count
+    scored_by = [False] * count
+    components: dict[str, list] = {}
+    for (name, weight, scorer), component in zip(scorers, values):
+        components[name] = component
+        skips_none = getattr(scorer, "skips_none", False)
+        for i, v in enumerate(component):
+            if v is not None and totals[i] is not None:
+                totals[i] += weight * v
+            scored_by[i] = scored_by[i] or v is not None
+            if v is None and not skips_none:
+                totals[i] = None
+    totals = [t if any_score else None for t, any_score in zip(totals, scored_by)]
+    failures = {name: getattr(scorer, "failure", None) or f"{name} gave no reward"
+                for (name, _, scorer), component in zip(scorers, values)
+                if any(v is None and t is None for v, t in zip(component, totals))}
+    return totals, components, failures
 
 
 class RewardStack:
@@ -145,14 +173,7 @@ class RewardStack:
         inside it excluded), what the overlong penalty counts; default ``response_lengths``."""
         pending = pending if pending is not None else self.start(prompts, responses, columns)
         values = self._component_values(prompts, responses, known or {}, pending)
-        totals: list = [0.0] * len(responses)
-        components: dict[str, list] = {}
-        failures: dict[str, str] = {}
-        for (name, weight, scorer), component in zip(self.scorers, values):
-            components[name] = component
-            totals = [None if t is None or v is None else t + weight * v for t, v in zip(totals, component)]
-            if any(v is None for v in component):
-                failures[name] = getattr(scorer, "failure", None) or f"{name} gave no reward"
+        totals, components, failures = combine_components(self.scorers, values)
         if self.config.missing_eos_penalty is not None:
             penalty = [0.0 if done else -self.config.missing_eos_penalty for done in finished]
             components["missing_eos_penalty"] = penalty

@@ -7,13 +7,14 @@ run in the fast suite; every request has a timeout of at most a second.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ppo_cli.engine.data import PromptColumns, PromptSet
 from ppo_cli.engine.rewards.judge import fill_template, parse_score
-from ppo_cli.engine.rewards.stack import RewardStack
+from ppo_cli.engine.rewards.stack import RewardStack, combine_components
 from ppo_cli.errors import RewardServerError, RewardServerUnreachable
 from ppo_cli.recipe import RewardConfig
 from ppo_cli.engine.rewards.checks import check_reward_components
@@ -190,7 +191,7 @@ def test_template_fills_prompt_and_response_and_leaves_other_braces():
     assert fill_template('{prompt} -> {response} {"json": 1}', conversation, "ok") == 'user: hi -> ok {"json": 1}'
 
 
-def test_function_reward_gets_columns_async_and_none_counts_as_failed(tmp_path):
+def test_function_reward_gets_columns_async_and_its_none_means_does_not_apply(tmp_path):
     path = tmp_path / "fn.py"
     path.write_text(
         "import asyncio\n"
@@ -205,8 +206,24 @@ def test_function_reward_gets_columns_async_and_none_counts_as_failed(tmp_path):
                    columns=columns)
     result = stack.score(["a", "b", "c"], ["4", "6", "x"], [True] * 3, [1] * 3)
     assert result.components == {"reward": [1.0, 0.0, None], "plain": [1.0, 1.0, 1.0]}
-    assert result.scores == [2.0, 1.0, None]
+    # TRL's nansum over reward functions: the third row has no answer, so only `plain` scores it
+    assert result.scores == [2.0, 1.0, 1.0] and result.failures == {}
+    alone = _stack({"type": "function", "function": f"{path}:reward"}, columns=columns)
+    result = alone.score(["a", "b", "c"], ["4", "6", "x"], [True] * 3, [1] * 3)
+    assert result.scores == [1.0, 0.0, None]  # nothing scored it: it leaves the update, counted
     assert result.failures == {"reward": f"reward function '{path}:reward' returned None for 1 of 3 responses"}
+
+
+def test_combine_components_sums_what_scored_and_a_server_failure_leaves_no_total():
+    function, server = SimpleNamespace(skips_none=True, failure="fn: None"), SimpleNamespace(failure="http: 503")
+    scorers = [("fn", 2.0, function), ("fn2", 1.0, SimpleNamespace(skips_none=True, failure=None)), ("http", 0.5, server)]
+    totals, components, failures = combine_components(scorers, [[1.0, None, None, 3.0], [None, 1.0, None, 1.0],
+                                                                [2.0, 2.0, 2.0, None]])
+    assert totals == [2.0 + 1.0, 1.0 + 1.0, 1.0, None]  # row 2: only the server scored it; row 3: the server failed
+    assert components["http"] == [2.0, 2.0, 2.0, None]
+    assert failures == {"http": "http: 503"}
+    totals, _, failures = combine_components(scorers[:2], [[None, 4.0], [None, None]])
+    assert totals == [None, 8.0] and failures == {"fn": "fn: None", "fn2": "fn2 gave no reward"}
 
 
 def test_a_prompt_in_two_rows_with_different_columns_is_refused_when_asked():
