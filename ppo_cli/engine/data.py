@@ -312,6 +312,24 @@ def prompt_key(prompt: Prompt) -> str:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
+def ambiguous_prompt(sources: list[tuple[str, PromptSet]]) -> DataError | None:
+    """The line for the first prompt that two rows (of one source or two) give with different columns:
+    PromptColumns finds a row's columns by its prompt, so such a prompt cannot be given its own row's."""
+    seen: dict[str, tuple[str, int, dict]] = {}
+    for source, prompt_set in sources:
+        for index, (prompt, row) in enumerate(zip(prompt_set.prompts, prompt_set.columns), start=1):
+            key = prompt_key(prompt)
+            first = seen.setdefault(key, (source, index, row))
+            if first[2] != row:
+                where = (f"rows {first[1]} and {index} of {source}" if first[0] == source
+                         else f"row {first[1]} of {first[0]} and row {index} of {source}")
+                shown = key if len(key) <= 60 else key[:60] + "..."
+                return DataError(f"prompt {shown} is in {where} with different columns, so a reward function "
+                                 "cannot be given its row's columns",
+                                 hint="make the prompts unique (or their columns equal): a row's columns are found by its prompt")
+    return None
+
+
 class PromptColumns:
     """The dataset's other columns of each prompt (e.g. a reference ``answer``), found by the prompt
     itself: a rollout's prompts are the data's rows, repeated and reordered, so the prompt names its row.

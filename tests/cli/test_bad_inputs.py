@@ -429,6 +429,34 @@ def test_train_refuses_a_reward_column_the_prompt_rows_lack_before_loading_a_mod
     ]
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+@pytest.mark.parametrize("source", ["def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n",
+                                    "def reward(prompts, responses, answer):\n    return [1.0] * len(responses)\n"])
+def test_a_prompt_in_two_rows_with_different_columns_is_refused_before_training(stub_models, tmp_path, monkeypatch,
+                                                                                command, source):
+    """A row's columns are found by its prompt: a duplicated question with another id would stop the run
+    in whichever update first drew it; refused before any model loads instead."""
+    import ppo_cli.commands.train as train
+
+    monkeypatch.setattr(train, "_run_processes", lambda *a, **k: pytest.fail("the models were loaded"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, stub_models)
+    rows = '{"prompt": "What is 1+1?", "answer": "2", "id": 1}\n{"prompt": "What is 2+2?", "answer": "4", "id": 2}\n' \
+           '{"prompt": "What is 1+1?", "answer": "2", "id": 3}\n'
+    prompts = env.file("train.jsonl", rows)
+    result = runner.invoke(app, [command, env.recipe(_edit("data.prompts", prompts))] + _reward_function(env, source))
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.splitlines() == [
+        f'error: prompt "What is 1+1?" is in rows 1 and 3 of {prompts} with different columns, so a reward function '
+        "cannot be given its row's columns",
+        "hint: make the prompts unique (or their columns equal): a row's columns are found by its prompt",
+    ]
+    plain = "def reward(prompts, responses):\n    return [1.0] * len(responses)\n"  # reads no column: nothing to refuse
+    result = runner.invoke(app, ["validate", env.recipe(_edit("data.prompts", prompts))] + _reward_function(env, plain))
+    assert result.exit_code == 0, result.output
+
+
 def test_output_dir_set_to_a_run_directory_is_refused_before_loading(stub_models, tmp_path, monkeypatch):
     """output_dir: runs/NAME would train a second run at runs/NAME/NAME; the line says where to point it."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.rewards.function_columns import (accepted_columns, called_like_trl, columns_required,
-                                                     declared_parameters, missing_columns_error, required_columns,
+                                                     columns_taken, declared_parameters, missing_columns_error, required_columns,
                                                      signature_parameters, unpassed_arguments_error)
+from ppo_cli.engine.data import ambiguous_prompt
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import FunctionReward
@@ -72,15 +73,22 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
     when scoring."""
     target, _, name = component.function.rpartition(":")
     if import_functions:
-        required = required_columns(load_reward_function(component.function))
+        fn = load_reward_function(component.function)
+        required, taken = required_columns(fn), accepted_columns(fn)
+        reads = taken is None or bool(taken)
     else:
         parameters = declared_parameters(Path(target), name) if target.endswith(".py") else None
-        required = None
+        required, reads = None, False
         if parameters is not None:  # what load_reward_function refuses at train, from the source
             error = unpassed_arguments_error(component.function, parameters)
             if error is not None:
                 raise error
             required = columns_required(parameters)
+            reads = bool(columns_taken(parameters))
+    if reads:  # its rows' columns are found by the prompt (engine/data.PromptColumns): refused now, not mid-run
+        ambiguous = ambiguous_prompt([(source, prompt_set) for source, prompt_set in rows])
+        if ambiguous is not None:
+            raise ambiguous
     if not required:
         return
     for source, prompt_set in rows:

@@ -40,6 +40,14 @@ def columns_required(parameters: list[tuple[str, bool]]) -> set[str]:
     return {name for name, required in parameters[2:] if required}
 
 
+def columns_taken(parameters: list[tuple[str, bool]]) -> set[str]:
+    """Every name past the prompts and responses (TRL's arguments) that a function of these (name,
+    required) parameters may be given a column by, a **kwargs included (by its own name)."""
+    if is_trl_style(name for name, _ in parameters):
+        return {name for name, _ in parameters} - TRL_ARGUMENTS
+    return {name for name, _ in parameters[2:]}
+
+
 def required_parameters(fn: Callable) -> list[str]:
     """``fn``'s parameters without a default, *args and **kwargs aside."""
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
