@@ -4,7 +4,8 @@ One loader for reward functions (engine/rewards/function.py), tools and environm
 A file is imported once per process, as a module named for its resolved path (``ppo_user_<digest>``), put in
 ``sys.modules`` before it runs (dataclasses and pickling look their module up there) and taken out again if
 it raises, so the next attempt runs it again and says the same. A file named twice (a tool file that also
-holds a reward) is one module, its module-level state shared.
+holds a reward) is one module, its module-level state shared. The file's directory goes on the import
+path (at its end), so that it can import the files beside it, as when Python runs it as a script.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def _import_file(target: str, what: str, error: type[PpoError]):
     module = sys.modules.get(module_name)
     if module is not None:
         return module
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:  # its own imports of files beside it work, as when Python runs it as a script
+        sys.path.append(directory)  # last: an installed package of the same name is not shadowed
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
@@ -53,7 +57,9 @@ def _import_file(target: str, what: str, error: type[PpoError]):
         del sys.modules[module_name]
         if not isinstance(err, Exception):  # Ctrl-C while importing is not the module's fault
             raise
-        raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}") from err
+        hint = (f"a module it imports must be installed, on PYTHONPATH or a file in {directory}"
+                if isinstance(err, ModuleNotFoundError) else None)
+        raise error(f"cannot import {what} module '{target}': {type(err).__name__}: {err}", hint=hint) from err
     return module
 
 

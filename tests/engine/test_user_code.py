@@ -61,3 +61,21 @@ def test_a_module_path_imports_the_module_and_a_missing_one_says_how_to_name_a_f
                                   "No module named 'no_such_pkg'")
     assert info.value.hint == ("a file is written path/to/file.py:reward; a module must be importable (installed, or on "
                                "PYTHONPATH)")
+
+
+def test_a_file_imports_the_files_beside_it_and_a_missing_one_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the directories added here go with the test
+    package = tmp_path / "project"
+    package.mkdir()
+    (package / "ppo_test_helpers_45.py").write_text("def extract(text):\n    return text.strip()\n")
+    (package / "rewards.py").write_text("from ppo_test_helpers_45 import extract\n"
+                                        "def reward(completions, **kwargs):\n    return [float(extract(c) == '4') for c in completions]\n")
+    reward = import_named(f"{package / 'rewards.py'}:reward", "reward function", RewardFunctionError)
+    assert reward([" 4 ", "5"]) == [1.0, 0.0]
+    assert sys.path[-1] == str(package)  # at the end: an installed package of the same name still wins
+    (tmp_path / "alone.py").write_text("import ppo_no_such_helper_45\n")
+    with pytest.raises(RewardFunctionError) as info:
+        import_named(f"{tmp_path / 'alone.py'}:reward", "reward function", RewardFunctionError)
+    assert info.value.message == (f"cannot import reward function module '{tmp_path / 'alone.py'}': ModuleNotFoundError: "
+                                  "No module named 'ppo_no_such_helper_45'")
+    assert info.value.hint == f"a module it imports must be installed, on PYTHONPATH or a file in {tmp_path}"
