@@ -988,6 +988,20 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _episode_budget_fits_a_turn(self) -> "Recipe":
+        """environment.max_episode_tokens holds at least one whole turn (generation.max_new_tokens)."""
+        environment, turn = self.environment, self.generation.max_new_tokens
+        if environment is not None and environment.max_episode_tokens < turn:
+            raise _rule_error(
+                f"{environment.max_episode_tokens} is below generation.max_new_tokens ({turn}): the episode's "
+                "budget would cut its first turn short, and max_new_tokens would never apply",
+                f"raise `environment.max_episode_tokens` to at least {turn} (it counts every turn and every "
+                "environment message), or lower `generation.max_new_tokens`",
+                key="environment.max_episode_tokens",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dapo_options_fit(self) -> "Recipe":
         """ppo.filter_groups with groups to filter; reward.overlong_buffer within the response length."""
         ppo = self.ppo

@@ -505,3 +505,14 @@ def test_several_errors_from_set_name_the_validate_line_with_the_same_overrides(
         "--set name: invalid value 'my run' (and 2 more errors; run "
         f"`ppo validate {path} --set ppo.kl_coef=x --set 'name=my run' --set ppo.cliprange=y --all-errors` for all)"
     )
+
+
+def test_an_episode_budget_below_one_turn_is_refused_on_its_key(tmp_path):
+    path = write(tmp_path, BASE + "environment: {type: tools, tools: ['recipes/tools/calculator.py:calculate']}\n")
+    recipe = load_recipe(path, ["environment.max_episode_tokens=32", "generation.max_new_tokens=32"])  # one turn fits
+    assert recipe.environment.max_episode_tokens == 32
+    err = error(path, ["environment.max_episode_tokens=16", "generation.max_new_tokens=40"])
+    assert err.message == ("--set environment.max_episode_tokens: 16 is below generation.max_new_tokens (40): the episode's "
+                           "budget would cut its first turn short, and max_new_tokens would never apply")
+    assert err.hint == ("raise `environment.max_episode_tokens` to at least 40 (it counts every turn and every environment "
+                        "message), or lower `generation.max_new_tokens`")
