@@ -171,7 +171,7 @@ def test_validate_refuses_a_trl_reward_function_requiring_what_ppo_cli_does_not_
     assert result.stderr.splitlines() == [
         "error: reward function 'rewards.py:length_reward' requires trainer_state, which ppo_cli does not pass "
         "(it passes prompts, completions and the rows' columns, by keyword)",
-        "hint: give trainer_state a default (=None) or take **kwargs",
+        "hint: give trainer_state a default (=None), or drop it and take **kwargs (kwargs.get(...) is None here)",
     ]
 
 

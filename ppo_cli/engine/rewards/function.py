@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ppo_cli.engine.rewards.function_columns import (accepted_columns, called_like_trl, columns_required,
+from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, accepted_columns, called_like_trl, columns_required,
                                                      columns_taken, declared_parameters, missing_columns_error, required_columns,
                                                      signature_parameters, unpassed_arguments_error)
 from ppo_cli.engine.data import ambiguous_prompt
@@ -187,8 +187,10 @@ class FunctionScorer:
         return self._checked(values, len(responses))
 
     def _raised(self, err: Exception) -> RewardFunctionFailed:
-        return RewardFunctionFailed(f"reward function '{self.spec}' raised {type(err).__name__}: {err}",
-                                    hint="fix the function; run again with --debug for its traceback")
+        hint = "fix the function; run again with --debug for its traceback"
+        if isinstance(err, KeyError) and err.args and err.args[0] in NOT_PASSED:  # kwargs["log_metric"] in TRL's style
+            hint = f"ppo_cli does not pass TRL's {err.args[0]}: read it with kwargs.get('{err.args[0]}') and skip it when None"
+        return RewardFunctionFailed(f"reward function '{self.spec}' raised {type(err).__name__}: {err}", hint=hint)
 
     def _checked(self, values, count: int) -> list[float | None]:
         one_each = "return a list with one number (or None) per response, in the order given"

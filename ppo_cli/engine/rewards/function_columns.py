@@ -21,7 +21,8 @@ from ppo_cli.errors import RewardFunctionError
 # What TRL passes its reward functions besides the dataset's columns (trl GRPOTrainer._calculate_rewards),
 # and ppo_cli's own name for the completions' text; ppo_cli passes all but NOT_PASSED.
 TRL_ARGUMENTS = frozenset({"prompts", "completions", "responses", "completion_ids", "trainer_state"})
-NOT_PASSED = frozenset({"completion_ids", "trainer_state"})
+# TRL's GRPOTrainer passes these too: the token ids, its TrainerState, and (TRL 1.16) two logging callbacks.
+NOT_PASSED = frozenset({"completion_ids", "trainer_state", "log_metric", "log_extra"})
 
 
 def is_trl_style(names) -> bool:
@@ -110,7 +111,8 @@ def unpassed_arguments_error(spec: str, parameters: list[tuple[str, bool]]) -> R
     return RewardFunctionError(
         f"reward function '{spec}' requires {', '.join(unpassed)}, which ppo_cli does not pass "
         "(it passes prompts, completions and the rows' columns, by keyword)",
-        hint=f"give {', '.join(unpassed)} a default (=None) or take **kwargs")
+        hint=f"give {', '.join(unpassed)} a default (=None), or drop {'it' if len(unpassed) == 1 else 'them'} "
+             "and take **kwargs (kwargs.get(...) is None here)")
 
 
 def _names_bound(node: ast.stmt) -> set[str]:

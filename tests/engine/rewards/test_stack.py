@@ -8,7 +8,7 @@ import torch
 from ppo_cli.engine.rewards.function import load_reward_function
 from ppo_cli.engine.rewards.model import ModelScorer
 from ppo_cli.engine.rewards.stack import RewardStack
-from ppo_cli.errors import DataError, RecipeError, RewardFunctionError
+from ppo_cli.errors import DataError, RecipeError, RewardFunctionError, RewardFunctionFailed
 from ppo_cli.recipe import ClassifierReward, RewardConfig
 
 
@@ -242,7 +242,17 @@ def test_a_trl_reward_function_that_needs_completion_ids_is_refused_when_it_load
         load_reward_function(f"{path}:f")
     assert info.value.message == (f"reward function '{path}:f' requires completion_ids, which ppo_cli does not pass "
                                   "(it passes prompts, completions and the rows' columns, by keyword)")
-    assert info.value.hint == "give completion_ids a default (=None) or take **kwargs"
+    assert info.value.hint == "give completion_ids a default (=None), or drop it and take **kwargs (kwargs.get(...) is None here)"
+    path = tmp_path / "logging_reward.py"  # TRL 1.16's logging callbacks: required, refused; read from kwargs, a hint
+    path.write_text("def h(completions, log_metric, **kwargs): return [0.0] * len(completions)\n"
+                    "def k(completions, **kwargs):\n    kwargs['log_metric']('x', 1.0)\n    return [0.0] * len(completions)\n")
+    with pytest.raises(RewardFunctionError, match="requires log_metric, which ppo_cli does not pass"):
+        load_reward_function(f"{path}:h")
+    config = RewardConfig(components=[{"type": "function", "function": f"{path}:k"}])
+    with pytest.raises(RewardFunctionFailed) as info:
+        RewardStack(config, torch.device("cpu")).score(["a"], ["b"], [True], [1])
+    assert info.value.message == f"reward function '{path}:k' raised KeyError: 'log_metric'"
+    assert info.value.hint == "ppo_cli does not pass TRL's log_metric: read it with kwargs.get('log_metric') and skip it when None"
     path = tmp_path / "columns_reward.py"
     path.write_text("def g(completions, solution, **kwargs): return [0.0] * len(completions)")
     config = RewardConfig(components=[{"type": "function", "function": f"{path}:g"}])
