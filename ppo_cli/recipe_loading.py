@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 
 from ppo_cli.errors import RecipeError
 from ppo_cli.recipe import Recipe
+from ppo_cli.trl_names import trl_key_hint, trl_value_hint
 
 # --- loading -------------------------------------------------------------------------------------
 #
@@ -245,9 +246,10 @@ def _check_override_path(data: dict, parts: list[str], item: str) -> tuple[list[
         if fields is not None:
             if part not in fields:
                 close = difflib.get_close_matches(part, fields, n=1)
+                hint = _unknown_key_hint(part, where, list(fields)).rpartition("; allowed keys")[0]
                 raise RecipeError(
                     f"--set {item}: unknown key '{part}' in {where or 'the recipe'}; allowed: {', '.join(fields)}",
-                    f"did you mean '{close[0]}'?" if close else "run `ppo validate RECIPE` to see every key",
+                    hint or (f"did you mean '{close[0]}'?" if close else "run `ppo validate RECIPE` to see every key"),
                 )
             kinds.append(dict)
             tp, node = fields[part].annotation, node.get(part) if isinstance(node, dict) else None
@@ -388,9 +390,7 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         return "missing required key", hint + (f" — {description}" if description else "")
     if kind == "extra_forbidden":
         allowed = list(_keyed_fields(where.owner)) if where.owner is not None else []
-        close = difflib.get_close_matches(leaf, allowed, n=1)
-        hint = (f"did you mean '{close[0]}'? " if close else "") + f"allowed keys: {', '.join(allowed)}"
-        return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), hint
+        return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), _unknown_key_hint(leaf, parent, allowed)
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         where.path.append(ctx.get("discriminator", "'type'").strip("'"))
         allowed = ", ".join(repr(tag) for tag in _tags(_strip_optional(where.tp)))
@@ -399,6 +399,9 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         return f"invalid value {_show(ctx.get('tag'))}", _did_you_mean(ctx.get("tag"), allowed) + f"allowed values: {allowed}"
     if kind == "literal_error":
         expected = ctx.get("expected", "")
+        trl = trl_value_hint(".".join(where.path), value)
+        if trl is not None:
+            return f"invalid value {_show(value)}", f"{trl}; allowed values: {expected}"
         return f"invalid value {_show(value)}", _did_you_mean(value, expected) + f"allowed values: {expected}"
     if kind == "recipe_rule":
         return err["msg"], ctx.get("hint")
@@ -415,6 +418,25 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
     if kind == "string_pattern_mismatch":
         return f"invalid value {_show(value)}", description or f"must match {ctx.get('pattern')}"
     return _one_line(err["msg"][:1].lower() + err["msg"][1:]), description
+
+
+def _unknown_key_hint(key: str, section: str, allowed: list[str]) -> str:
+    """Where an unknown ``key`` of ``section`` ('' at the top level) belongs: a TRL option's recipe key,
+    the section that has a key of that name, or the closest allowed key; then the allowed keys."""
+    if (trl := trl_key_hint(key)) is not None:
+        return f"{trl}; allowed keys: {', '.join(allowed)}"
+    homes = [name for name, field in Recipe.model_fields.items()
+             if name != section and key in _section_keys(_strip_optional(field.annotation))]
+    if section and "." not in section and key in Recipe.model_fields:
+        return f"{key} is a top-level key: write it without a section; allowed keys here: {', '.join(allowed)}"
+    if homes and "." not in section:
+        return f"{key} is a key of {' and '.join(homes)}: write {homes[0]}.{key}; allowed keys here: {', '.join(allowed)}"
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return (f"did you mean '{close[0]}'? " if close else "") + f"allowed keys: {', '.join(allowed)}"
+
+
+def _section_keys(tp: Any) -> dict[str, FieldInfo]:
+    return _keyed_fields(tp) if isinstance(tp, type) and issubclass(tp, BaseModel) else {}
 
 
 def _did_you_mean(value, allowed: str) -> str:

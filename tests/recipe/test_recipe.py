@@ -516,3 +516,30 @@ def test_an_episode_budget_below_one_turn_is_refused_on_its_key(tmp_path):
                            "budget would cut its first turn short, and max_new_tokens would never apply")
     assert err.hint == ("raise `environment.max_episode_tokens` to at least 40 (it counts every turn and every environment "
                         "message), or lower `generation.max_new_tokens`")
+
+
+@pytest.mark.parametrize("text, message, hint", [
+    ("ppo:\n  beta: 0.04\n", "ppo.beta: unknown key 'beta' in ppo", "TRL's beta is ppo.kl_coef here"),
+    ("ppo:\n  num_iterations: 1\n", "ppo.num_iterations: unknown key 'num_iterations' in ppo", "TRL's num_iterations is ppo.ppo_epochs here"),
+    ("ppo:\n  num_generations: 4\n", "ppo.num_generations: unknown key 'num_generations' in ppo",
+     "num_generations is a key of generation: write generation.num_generations"),
+    ("scale_rewards: none\n", "scale_rewards: unknown key 'scale_rewards'", "scale_rewards is a key of ppo: write ppo.scale_rewards"),
+    ("train:\n  seed: 42\n", "train.seed: unknown key 'seed' in train", "seed is a top-level key: write it without a section"),
+    ("ppo:\n  advantage: gspo\n", "ppo.advantage: invalid value 'gspo'",
+     "for gspo write advantage: grpo with ratio_level: sequence and loss_aggregation: seq_mean_token_mean (GSPO)"),
+    ("ppo:\n  loss_aggregation: bnpo\n", "ppo.loss_aggregation: invalid value 'bnpo'", "TRL's loss_type bnpo is loss_aggregation: token_mean"),
+])
+def test_a_trl_name_or_a_key_in_the_wrong_section_is_pointed_to_its_recipe_key(tmp_path, text, message, hint):
+    """Written as a TRL GRPOConfig user writes it: the hint names the recipe key, before the allowed keys."""
+    section = text.partition("\n")[0] + "\n"
+    recipe = BASE.replace(section, text) if section in BASE else BASE + text  # the keys join the recipe's section
+    err = error(write(tmp_path, recipe))
+    assert err.message.endswith(message), err.message
+    assert err.hint.startswith(hint + ";"), err.hint
+
+
+def test_set_of_a_trl_name_points_to_its_recipe_key(tmp_path):
+    err = error(write(tmp_path, BASE), ["optim.learning_rate=1e-6"])
+    assert err.hint == "TRL's learning_rate is optim.lr here"
+    err = error(write(tmp_path, BASE), ["ppo.kl_coeff=0.1"])  # a typo is still a typo
+    assert err.hint == "did you mean 'kl_coef'?"
