@@ -46,15 +46,17 @@ def prompt_tokens(recipe: Recipe, limit: int = 2000) -> tuple[int, str]:
     """The longest prompt in tokens (at most max_prompt_tokens); the tokenizer is light to load."""
     maximum = recipe.data.max_prompt_tokens
     try:
-        from ppo_cli.engine.chat import encode_prompts
+        from ppo_cli.engine.chat import prompt_lengths
         from ppo_cli.engine.data import read_recipe_prompts
         from ppo_cli.engine.models import load_tokenizer
 
         prompts = read_recipe_prompts(recipe.data).prompts[:limit]
         tokenizer = load_tokenizer(recipe.policy.path, trust_remote_code=recipe.policy.trust_remote_code,
                                    revision=recipe.policy.revision)
-        longest = max(len(ids) for ids in encode_prompts(prompts, tokenizer, recipe.data))
-        return min(longest, maximum), f"longest of {len(prompts)} prompts, max_prompt_tokens {maximum}"
+        longest = max(prompt_lengths(prompts, tokenizer, recipe.data))
+        if longest > maximum:  # the longest prompts are cut to it: say so, not only the bound
+            return maximum, f"longest of {len(prompts)} prompts {longest}, cut to max_prompt_tokens {maximum}"
+        return longest, f"longest of {len(prompts)} prompts, max_prompt_tokens {maximum}"
     except Exception:  # noqa: BLE001 - the bound is a safe fallback
         return maximum, "data.max_prompt_tokens (prompts not read)"
 

@@ -377,11 +377,13 @@ def _run_processes(recipe: Recipe, prompts, eval_prompts, checkpoint, recipe_pat
         state = init_state(engine, prompts, dist)
     except OutOfMemory as err:
         raise advice_from_plan(err, recipe, recipe_path, dist.device, overrides) from err
-    from ppo_cli.engine.chat import plain_text_note
+    from ppo_cli.engine.chat import cut_prompts_note, plain_text_note
 
-    plain_text = plain_text_note(prompts, engine.tokenizer, recipe.data)
-    if plain_text and dist.is_main:
-        show("note", {"message": plain_text})
+    if dist.is_main:
+        for note in (plain_text_note(prompts, engine.tokenizer, recipe.data),
+                     cut_prompts_note(prompts, engine.tokenizer, recipe.data) if recipe.environment is None else None):
+            if note:
+                show("note", {"message": note})
     if checkpoint is not None:  # read before _open_run_dir writes the recipe the run goes on with
         from ppo_cli.recipe_loading import load_recipe
         from ppo_cli.resume import resume_changes

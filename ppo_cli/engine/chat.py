@@ -69,6 +69,30 @@ def plain_text_note(prompts: list[Prompt], tokenizer, data) -> str | None:
             "a chat model may answer them with nothing: set data.chat_template: true to send each as a user turn")
 
 
+def prompt_lengths(prompts: list[Prompt], tokenizer, data) -> list[int]:
+    """Each prompt's tokens as the policy would read it uncut (encode_prompt before data.max_prompt_tokens)."""
+    lengths = []
+    for prompt in prompts:
+        messages = prompt_messages(prompt, data)
+        lengths.append(len(tokenizer(prompt, add_special_tokens=True)["input_ids"]) if messages is None
+                       else len(template_ids(messages, tokenizer)))
+    return lengths
+
+
+def cut_prompts_note(prompts: list[Prompt], tokenizer, data, limit: int = 2000) -> str | None:
+    """A note where prompts are longer than data.max_prompt_tokens, so that they are cut (from the start; a
+    conversation: the start of its last user message) without a word otherwise. The first ``limit``
+    prompts are measured: tokenizing a whole large dataset at start would cost more than it tells."""
+    measured = prompts[:limit]
+    lengths = prompt_lengths(measured, tokenizer, data) if measured else []
+    cut = [n for n in lengths if n > data.max_prompt_tokens]
+    if not cut:
+        return None
+    of = f"{len(measured)} prompts" if len(measured) == len(prompts) else f"the first {len(measured)} prompts"
+    return (f"note: {len(cut)} of {of} are longer than data.max_prompt_tokens ({data.max_prompt_tokens}; the longest "
+            f"{max(cut)} tokens) and lose their first tokens: raise data.max_prompt_tokens to keep them whole")
+
+
 def template_ids(messages: list[Message], tokenizer, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of the templated conversation; the template's own special tokens only."""
     text = render_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)

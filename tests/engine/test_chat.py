@@ -121,3 +121,22 @@ def test_plain_text_prompts_to_a_chat_model_without_its_template_get_a_note(chat
     assert plain_text_note([conversation], chat_tokenizer, _data()) is None  # conversations use the template
     no_template = chat_tokenizer.__class__(tokenizer_object=chat_tokenizer.backend_tokenizer, bos_token="<s>", pad_token="<pad>")
     assert plain_text_note(["The movie was"], no_template, _data()) is None  # a base model: text is what it reads
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_counted_in_a_note(chat_tokenizer):
+    from ppo_cli.engine.chat import cut_prompts_note, encode_prompt, prompt_lengths, template_ids
+
+    data = _data(max_prompt_tokens=8)
+    short, long = "hi", "one two three four five six seven eight nine ten eleven twelve"
+    conversation = [{"role": "user", "content": long}]
+    lengths = prompt_lengths([short, long, conversation], chat_tokenizer, data)
+    # what the policy would read uncut: the plain prompt with its BOS, the conversation templated
+    assert lengths == [len(chat_tokenizer(short).input_ids), len(chat_tokenizer(long).input_ids),
+                       len(template_ids(conversation, chat_tokenizer))]
+    assert lengths[0] <= 8 < lengths[1] and len(encode_prompt(long, chat_tokenizer, data)) == 8  # cut, as noted
+    note = cut_prompts_note([short, long, conversation], chat_tokenizer, data)
+    assert note == (f"note: 2 of 3 prompts are longer than data.max_prompt_tokens (8; the longest {max(lengths)} tokens) "
+                    "and lose their first tokens: raise data.max_prompt_tokens to keep them whole")
+    assert cut_prompts_note([short, long], chat_tokenizer, data, limit=1) is None  # only the first is measured
+    assert cut_prompts_note([long, short], chat_tokenizer, data, limit=1).startswith("note: 1 of the first 1 prompts")
+    assert cut_prompts_note([short], chat_tokenizer, data) is None
