@@ -77,10 +77,12 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
 def check_environment_code(environment, import_code: bool = False) -> None:
     """The files of the environment's tools (type tools) or class (type python). ``import_code`` (train):
     imported and checked as the engine will (schemas, reset and step), so a missing or unusable one is one
-    line before any model loads, not after. Else (validate): each file is there and defines the name, read,
-    not run, as for reward functions."""
+    line before any model loads, not after. Else (validate): each file is there and defines the name, and
+    what its source shows train would refuse (engine/envs/source_checks.py), read, not run, as for reward
+    functions."""
     import difflib
 
+    from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source, last_binding
     from ppo_cli.engine.user_code import defined_names
     from ppo_cli.errors import EnvironmentSetupError
 
@@ -108,6 +110,8 @@ def check_environment_code(environment, import_code: bool = False) -> None:
                 f"define {name} in {target}" if environment.type == "tools"
                 else f"define class {name} with reset(self, row, seed) and step(self, message)")
             raise EnvironmentSetupError(f"'{target}' has no {what} '{name}'", hint=hint)
+        check = check_tool_source if environment.type == "tools" else check_environment_class_source
+        check(spec, last_binding(path, name))  # what loading it at train would refuse, from the source
 
 
 def check_lora_targets(recipe: Recipe) -> None:

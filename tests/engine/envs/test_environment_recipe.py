@@ -135,8 +135,8 @@ class NoStep:
      "python -m py_compile {dir}/broken.py shows the error in full"),
 ])
 def test_validate_checks_the_environments_files_and_names_without_running_them(tmp_path, section, message, hint):
-    """`ppo validate` reads the tool and class files as it reads reward function files: there, and defining
-    the name (one line, exit 2), without importing them."""
+    """`ppo validate` reads the tool and class files as it reads reward function files: there, defining
+    the name, and usable as a tool or class as far as the source shows (one line, exit 2), without importing them."""
     from pathlib import Path
 
     from ppo_cli.commands.validate import check_environment_code
@@ -150,8 +150,12 @@ def test_validate_checks_the_environments_files_and_names_without_running_them(t
     assert err.value.message == message.format(dir=tmp_path)
     assert err.value.hint == hint.format(dir=tmp_path, cwd=Path.cwd())
     assert err.value.exit_code == EXIT_USAGE
-    fine = "  type: tools\n  tools: [{dir}/code.py:calculate, {dir}/code.py:undocumented]\n"
+    fine = "  type: tools\n  tools: [{dir}/code.py:calculate]\n"
     check_environment_code(load_recipe(write(tmp_path, BASE + "environment:\n" + fine.format(dir=tmp_path))).environment)
+    # what train's import would refuse, read from the source (tests/engine/envs/test_source_checks.py: the same words)
+    for refused in ("  type: tools\n  tools: [{dir}/code.py:undocumented]\n", "  type: python\n  class: {dir}/code.py:NoStep\n"):
+        with pytest.raises(EnvironmentSetupError):
+            check_environment_code(load_recipe(write(tmp_path, BASE + "environment:\n" + refused.format(dir=tmp_path))).environment)
 
 
 def test_train_imports_the_environments_code_before_any_model_loads(tmp_path):
