@@ -236,9 +236,16 @@ def mean_step_reward(rows: list[dict]) -> float:
     return scored_mean([r.get("step_reward") or 0.0 for r in rows if not r.get("env_failed")])
 
 
+def tool_error_rate(rows: list[dict]) -> float | None:
+    """The share of the rows' tool calls answered with an error (None: no call): a high tool-call rate
+    means little if the calls fail."""
+    calls = sum(r.get("tool_calls") or 0 for r in rows)
+    return sum(r.get("tool_errors") or 0 for r in rows) / calls if calls else None
+
+
 def _episode_summary(rows: list[dict]) -> dict:
-    """Episodes of several turns: mean turns and tool calls, the share that called a tool, ended each way
-    and whose environment failed."""
+    """Episodes of several turns: mean turns and tool calls, the share that called a tool, the share of
+    the calls answered with an error, the shares ended each way and whose environment failed."""
     from ppo_cli.engine.envs.episode import ENDED_BY
     from ppo_cli.stats import mean
 
@@ -246,6 +253,7 @@ def _episode_summary(rows: list[dict]) -> dict:
     return {"turns": mean([float(r["turns"]) for r in rows]),
             "tool_calls": mean([float(r["tool_calls"]) for r in rows]),
             "tool_call_rate": mean([1.0 if r["tool_calls"] else 0.0 for r in rows]),
+            "tool_error_rate": tool_error_rate(rows),
             "env_failed_rate": mean([1.0 if r["env_failed"] else 0.0 for r in rows]),
             "env_failed": failed,
             "step_reward": mean_step_reward(rows),

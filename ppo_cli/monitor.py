@@ -35,14 +35,15 @@ from typing import Callable, Mapping, Optional, Sequence
 from ppo_cli.metric_names import (
     EOS_RATE, FILTER_FILL, FRAC_REWARD_ZERO_STD, LOSS_VALUE_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_SCORES, POLICY_APPROXKL_AVG,
     POLICY_CLIPFRAC_AVG, POLICY_ENTROPY_AVG, REWARD_FAILED_RATE, RESPONSE_LENGTH, SAMPLES_DISTINCT_1,
-    VAL_RATIO_FIRST_MINIBATCH, ENV_ENDED_BY_MAX_EPISODE_TOKENS,
+    VAL_RATIO_FIRST_MINIBATCH, ENV_ENDED_BY_MAX_EPISODE_TOKENS, ENV_TOOL_CALLS, ENV_TOOL_ERRORS,
 )
 from ppo_cli.recipe import MonitorConfig
 
 # The metrics the rules read.
 WATCHED = (POLICY_CLIPFRAC_AVG, POLICY_APPROXKL_AVG, OBJECTIVE_KL, OBJECTIVE_KL_COEF, LOSS_VALUE_AVG, POLICY_ENTROPY_AVG,
            OBJECTIVE_SCORES, SAMPLES_DISTINCT_1, EOS_RATE, VAL_RATIO_FIRST_MINIBATCH, RESPONSE_LENGTH,
-           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE, ENV_ENDED_BY_MAX_EPISODE_TOKENS, FILTER_FILL)
+           FRAC_REWARD_ZERO_STD, REWARD_FAILED_RATE, ENV_ENDED_BY_MAX_EPISODE_TOKENS, ENV_TOOL_CALLS, ENV_TOOL_ERRORS,
+           FILTER_FILL)
 
 BASELINE_UPDATES = 3  # the entropy "at the start" is the mean of the first few updates
 RATIO_UPDATES = 3  # a log-prob mismatch shows from the first update: do not wait a whole window
@@ -396,6 +397,25 @@ def _episodes_cut_by_budget(h: History, c: MonitorConfig):
             f"{mean(values):.0%} of the episodes ended by environment.max_episode_tokens over the last {len(values)} "
             f"updates (above {c.episode_budget_high:g})"
         )
+    return None
+
+
+@rule(
+    "tool_errors",
+    cause="most of the policy's tool calls were answered with an error (the tool raised or timed out, an unknown "
+    "tool, arguments its signature does not take, a call that is not valid JSON): the policy learns from the error "
+    "texts, not from what the tool computes",
+    fix="run `ppo rollout` and read the tool messages: fix the tool if it raises, raise environment.timeout_s if it "
+    "times out, check the tool's name and argument names in its schema if the calls are refused",
+)
+def _tool_errors(h: History, c: MonitorConfig):
+    calls, errors = h.window_of(ENV_TOOL_CALLS), h.window_of(ENV_TOOL_ERRORS)
+    if calls is None or errors is None or sum(calls) == 0:
+        return None
+    share = sum(errors) / sum(calls)
+    if share > c.tool_errors_high:
+        return share, (f"{share:.0%} of the tool calls were answered with an error over the last {len(calls)} updates "
+                       f"(above {c.tool_errors_high:g})")
     return None
 
 

@@ -649,6 +649,10 @@ class MonitorConfig(Section):
         0.5, ge=0.0, lt=1.0, description="Episodes of several turns: warn when more than this fraction of them ends "
         "by environment.max_episode_tokens (env/ended_by/max_episode_tokens) over a whole window.",
     )
+    tool_errors_high: float = Field(
+        0.5, ge=0.0, lt=1.0, description="Tools: warn when more than this fraction of the policy's tool calls is "
+        "answered with an error (env/tool_errors over env/tool_calls) over a whole window.",
+    )
 
     @model_validator(mode="after")
     def _clipfrac_band(self) -> "MonitorConfig":

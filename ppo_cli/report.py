@@ -263,8 +263,10 @@ def _metric_rows(summary: dict) -> list[tuple[str, str]]:
     if "step_reward" in summary:  # the episodes' reward adds their steps' (the mean reward's other part)
         rows.append((f"  {STEP_REWARDS}", _signed(summary["step_reward"], 3)))
     if "turns" in summary:  # episodes of several turns
-        rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}"),
-                 ("environment failed", f"{summary['env_failed_rate']:.0%}")]
+        rows += [("mean turns", f"{summary['turns']:.2f}"), ("tool-call rate", f"{summary['tool_call_rate']:.0%}")]
+        if summary.get("tool_error_rate") is not None:
+            rows.append(("  calls answered with an error", f"{summary['tool_error_rate']:.0%}"))
+        rows.append(("environment failed", f"{summary['env_failed_rate']:.0%}"))
         rows += [(f"  ended by {reason}", f"{share:.0%}") for reason, share in summary["ended_by"].items() if share]
     if summary.get("reward_failed"):
         rows.append(("rows without a reward", str(summary["reward_failed"])))
@@ -344,8 +346,14 @@ def _summary_rows(a: dict, b: dict, difference: dict) -> list[tuple[str, str, st
     ] + ([("mean turns", f"{a['turns']:.2f}", f"{b['turns']:.2f}", _signed(b["turns"] - a["turns"], 2), ""),
           ("tool-call rate", f"{a['tool_call_rate']:.0%}", f"{b['tool_call_rate']:.0%}",
            f"{(b['tool_call_rate'] - a['tool_call_rate']) * 100:+.0f} pts", "")] if "turns" in a and "turns" in b else []) + (
+        [("  calls with an error", _share(a.get("tool_error_rate")), _share(b.get("tool_error_rate")), "", "")]
+        if a.get("tool_error_rate") is not None or b.get("tool_error_rate") is not None else []) + (
         [("environment failed", f"{a['env_failed_rate']:.0%}", f"{b['env_failed_rate']:.0%}", "", "")]
         if a.get("env_failed") or b.get("env_failed") else [])
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
 
 
 def _summary_footnote(a: dict, difference: dict) -> str:

@@ -72,7 +72,15 @@ RULE_CASES = {
     "filter_rounds_exhausted": ({"filter__fill": lambda s: 1.0 if s % 3 == 0 else 0.5}, 10),
     "reward_failures": ({"reward__failed_rate": lambda s: 0.2}, 1),
     "episodes_cut_by_budget": ({"env__ended_by__max_episode_tokens": lambda s: 0.8 + jitter(s, 0.1)}, 10),
+    "tool_errors": ({"env__tool_calls": lambda s: 1.0, "env__tool_errors": lambda s: 0.9 + jitter(s, 0.05)}, 10),
 }
+
+
+def test_tool_errors_weighs_the_calls_of_the_window_and_stays_quiet_at_half_or_without_calls():
+    _, raised = run_stream(10, env__tool_calls=lambda s: 2.0 if s % 2 else 0.0, env__tool_errors=lambda s: 1.5 if s % 2 else 0.0)
+    assert [w.message for w in raised] == ["75% of the tool calls were answered with an error over the last 10 updates (above 0.5)"]
+    assert run_stream(20, env__tool_calls=lambda s: 1.0, env__tool_errors=lambda s: 0.5)[1] == []
+    assert run_stream(20, env__tool_calls=lambda s: 0.0, env__tool_errors=lambda s: 0.0)[1] == []
 
 
 def test_every_rule_has_a_case():

@@ -104,3 +104,19 @@ def test_eval_shows_the_steps_rewards_beside_the_components():
     lines = printed(lambda: report.print_eval(summary))
     assert any("  half " in line and "+0.500" in line for line in lines)
     assert any("  environment steps " in line and "+0.500" in line for line in lines)
+
+
+def test_eval_and_compare_show_the_share_of_tool_calls_answered_with_an_error():
+    """A high tool-call rate means little when the calls fail: the share is a row of its own."""
+    calls = [{**row(False), "tool_calls": 2, "tool_errors": 2}, {**row(False), "tool_calls": 2, "tool_errors": 1},
+             {**row(False), "tool_calls": 0, "tool_errors": 0}]
+    summary = summarize_rows(calls)
+    assert summary["tool_error_rate"] == 3 / 4 and summary["tool_call_rate"] == 2 / 3
+    assert summarize_rows([row(False)])["tool_error_rate"] is None  # no call: nothing to rate
+    shown = {"description": "base", "num_prompts": 3, "num_samples": 1, "prompts": "p.jsonl", "seed": 0, "recipe": "r", **summary}
+    assert any("calls answered with an error" in line and "75%" in line for line in printed(lambda: report.print_eval(shown)))
+    a = {**shown, "model": "base"}
+    b = {**shown, "model": "aligned", "description": "aligned", **summarize_rows([row(False)])}
+    difference = {"ci95": (0.0, 0.0), "mean_reward_diff": 0.0, "win_rate_b": 0.5, "pairs": 3, "bootstrap": {"resamples": 2000}}
+    lines = printed(lambda: report.print_compare(a, b, difference, []))
+    assert any("calls with an error" in line and "75%" in line and "n/a" in line for line in lines)
