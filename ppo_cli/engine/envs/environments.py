@@ -94,6 +94,21 @@ def parse_step(answer: Any, role: str, where: str) -> StepResult:
     return StepResult(as_messages(answer.get("observation"), role, where), reward, done)
 
 
+RESET_KEYS = ("observation", "info")  # info: anything, not read
+
+
+def parse_reset_answer(answer: Any, where: str) -> list[Message]:
+    """An http environment's reset answer ({"observation": ...}) checked against the contract: other keys
+    are refused, as step's are (a reward there would be dropped without a word: rewards come with steps)."""
+    if not isinstance(answer, dict):
+        raise StepFailure(f"{where} answered {type(answer).__name__}, not an object")
+    unknown = [key for key in answer if key not in RESET_KEYS]
+    if unknown:
+        raise StepFailure(f"{where} answered {', '.join(map(repr, unknown))}, not observation (and info, not read)"
+                          + ("; a reward comes with a step, not with reset" if "reward" in unknown else ""))
+    return as_messages(answer.get("observation"), "user", where)
+
+
 class ToolsEnvironment:
     """type tools: runs the assistant's tool calls and answers each with a ``tool`` message."""
 
@@ -174,10 +189,7 @@ class HttpEnvironment:
             raise StepFailure(f"environment server {err}") from None
 
     async def reset(self, row: dict, seed: int) -> list[Message]:
-        answer = await self._post("reset", {"row": row, "seed": seed})
-        if not isinstance(answer, dict):
-            raise StepFailure(f"environment server {self.url}/reset answered {type(answer).__name__}, not an object")
-        return as_messages(answer.get("observation"), "user", f"environment server {self.url}/reset")
+        return parse_reset_answer(await self._post("reset", {"row": row, "seed": seed}), f"environment server {self.url}/reset")
 
     async def step(self, message: Message) -> StepResult:
         return parse_step(await self._post("step", {"message": message}), "user", f"environment server {self.url}/step")
@@ -198,10 +210,7 @@ def check_server(environment: EnvironmentConfig, row: dict) -> None:
     answer = probe("POST", f"{url}/reset", environment, secrets, headers, {"episode_id": episode_id, "row": row, "seed": 0},
                    what="environment server", error=EnvironmentSetupError)
     try:
-        said = answer.json()
-        if not isinstance(said, dict):
-            raise StepFailure(f"environment server {url}/reset answered {type(said).__name__}, not an object")
-        as_messages(said.get("observation"), "user", f"environment server {url}/reset")
+        parse_reset_answer(answer.json(), f"environment server {url}/reset")
     except ValueError:
         raise EnvironmentSetupError(f"environment server {url}/reset did not answer JSON: {quote(answer.text, secrets)}",
                                     hint="answer reset with {\"observation\": ...}") from None

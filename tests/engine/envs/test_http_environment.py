@@ -92,6 +92,13 @@ def test_an_http_environment_that_is_down_or_answers_reset_wrongly_is_one_line_b
     with pytest.raises(EnvironmentSetupError) as info:
         check_server(EnvironmentConfig.model_validate({"type": "http", "url": url}), {})
     assert info.value.message == f"environment server {url}/reset answered list, not an object"
+    for body, said in ((b'{"obs": "hi"}', "'obs', not observation (and info, not read)"),
+                       (b'{"observation": "hi", "reward": 0.5}', "'reward', not observation (and info, not read); "
+                                                                  "a reward comes with a step, not with reset")):
+        guess_server.RequestHandlerClass.do_POST = _answering(body)  # refused as step refuses unknown keys
+        with pytest.raises(EnvironmentSetupError) as info:
+            check_server(EnvironmentConfig.model_validate({"type": "http", "url": url}), {})
+        assert info.value.message == f"environment server {url}/reset answered {said}"
 
 
 def _answering(body: bytes):
