@@ -17,10 +17,13 @@ from ppo_cli.recipe import Recipe
 from ppo_cli.recipe_loading import load_recipe
 from ppo_cli.runs import RunDir, atomic_write_text
 
-# Keys that may change between a run and its resume: how long it runs and how it logs.
+# Keys that may change between a run and its resume: how long it runs, how it logs, how long it waits.
 RESUMABLE_CHANGES = ("train.total_updates", "train.save_every", "train.keep_checkpoints", "train.log_every",
                      "train.sample_every", "train.num_samples", "train.max_consecutive_skips", "train.device",
-                     "train.num_threads", "train.fsdp_rollout", "train.collective_timeout_s", "monitor.", "logging.")
+                     "train.num_threads", "train.fsdp_rollout", "train.collective_timeout_s", "monitor.", "logging.",
+                     # how long an environment's call may take and how often it is retried: not what it answers
+                     "environment.timeout_s", "environment.retries", "environment.retry_backoff_s",
+                     "environment.max_concurrency", "environment.headers")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:

@@ -396,6 +396,21 @@ def test_a_resume_names_the_settings_it_changes_and_says_when_checkpoints_stop()
     assert resume_changes(started, started) == []
 
 
+def test_an_environments_timeouts_and_retries_may_change_on_a_resume_what_it_computes_may_not():
+    from ppo_cli.recipe import Recipe
+    from ppo_cli.resume import recipe_differences, resume_changes
+
+    base = {"name": "r", "policy": {"path": "m"}, "data": {"prompts": "p.txt"}, "train": {"total_updates": 2},
+            "reward": {"components": [{"type": "function", "function": "f.py:f"}]}}
+    environment = {"type": "http", "url": "http://127.0.0.1:8000", "timeout_s": 10, "retries": 2, "max_turns": 3}
+    started = Recipe.model_validate({**base, "environment": environment})
+    slower = Recipe.model_validate({**base, "environment": {**environment, "timeout_s": 60, "retries": 5}})
+    assert recipe_differences(started, slower) == []
+    assert resume_changes(started, slower) == ["environment.retries: 2 -> 5", "environment.timeout_s: 10.0 -> 60.0"]
+    longer = Recipe.model_validate({**base, "environment": {**environment, "max_turns": 4}})
+    assert recipe_differences(started, longer) == ["environment.max_turns: 3 -> 4"]
+
+
 def test_validate_reads_the_reward_file_for_the_function_name_without_running_it(tmp_path):
     from ppo_cli.engine.rewards.function import check_defines as _check_defines
     from ppo_cli.errors import RewardFunctionError
