@@ -480,7 +480,9 @@ def _locate(
 ) -> RecipeProblem:
     key = tuple(path)
     dotted = ".".join(path)
-    if any(key[:n] in set_paths for n in range(1, len(key) + 1)):
+    set_here = any(key[:n] in set_paths for n in range(1, len(key) + 1))
+    set_below = key not in lines and any(p[:len(key)] == key for p in set_paths)  # --set environment.kwargs.tries=3
+    if set_here or set_below:
         return RecipeProblem(source, None, dotted, message, hint, from_override=True)
     line = next((lines[key[:n]] for n in range(len(key), -1, -1) if key[:n] in lines), None)
     return RecipeProblem(source, line, dotted, message, hint)

@@ -543,3 +543,15 @@ def test_set_of_a_trl_name_points_to_its_recipe_key(tmp_path):
     assert err.hint == "TRL's learning_rate is optim.lr here"
     err = error(write(tmp_path, BASE), ["ppo.kl_coeff=0.1"])  # a typo is still a typo
     assert err.hint == "did you mean 'kl_coef'?"
+
+
+def test_an_error_on_a_key_set_below_it_on_the_command_line_names_the_set(tmp_path):
+    """--set environment.kwargs.tries=3 makes environment.kwargs, which the file does not have: the error is the --set's."""
+    path = write(tmp_path, BASE + "environment:\n  type: tools\n  tools: ['recipes/tools/calculator.py:calculate']\n")
+    err = error(path, ["environment.kwargs.tries=3"])
+    assert err.message == "--set environment.kwargs: only used with type 'python', but the type is 'tools'"
+    on_file = write(tmp_path, BASE + "environment:\n  type: tools\n  tools: ['recipes/tools/calculator.py:calculate']\n"
+                    "  kwargs: {tries: 2}\n", name="with_kwargs.yaml")
+    err = error(on_file, ["environment.kwargs.tries=3"])  # the file has the key: its line
+    line = on_file.read_text().splitlines().index("  kwargs: {tries: 2}") + 1
+    assert err.message == f"{on_file}:{line}: environment.kwargs: only used with type 'python', but the type is 'tools'"
