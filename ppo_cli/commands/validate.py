@@ -64,20 +64,20 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
             from ppo_cli.engine.envs.episode import no_chat_template_error
 
             raise no_chat_template_error(recipe.policy.path)
-        check_environment_code(recipe.environment, import_code=import_functions)
+        first = rows[0][1].columns
+        check_environment_code(recipe.environment, import_code=import_functions, row=first[0] if first else {})
         if recipe.environment.type == "http":
             from ppo_cli.engine.envs.environments import check_server
 
-            first = rows[0][1].columns
             check_server(recipe.environment, first[0] if first else {})
     check_lora_targets(recipe)
     return prompts, eval_prompts
 
 
-def check_environment_code(environment, import_code: bool = False) -> None:
+def check_environment_code(environment, import_code: bool = False, row: dict | None = None) -> None:
     """The files of the environment's tools (type tools) or class (type python). ``import_code`` (train):
-    imported and checked as the engine will (schemas, reset and step), so a missing or unusable one is one
-    line before any model loads, not after. Else (validate): each file is there and defines the name, and
+    imported and checked as the engine will (schemas, reset and step; a class is built and reset once on
+    ``row``), so a missing or unusable one is one line before any model loads, not after. Else (validate): each file is there and defines the name, and
     what its source shows train would refuse (engine/envs/source_checks.py), read, not run, as for reward
     functions."""
     import difflib
@@ -87,9 +87,12 @@ def check_environment_code(environment, import_code: bool = False) -> None:
     from ppo_cli.errors import EnvironmentSetupError
 
     if import_code:
-        from ppo_cli.engine.envs.environments import EnvironmentFactory
+        from ppo_cli.engine.envs.environments import EnvironmentFactory, check_python_environment
 
-        EnvironmentFactory(environment)  # imports the tools or the class; the engine builds its own
+        if environment.type == "python" and row is not None:
+            check_python_environment(environment, row)  # imports the class, builds one and resets it
+        else:
+            EnvironmentFactory(environment)  # imports the tools or the class; the engine builds its own
         return
     what = "tool" if environment.type == "tools" else "environment class"
     specs = environment.tools if environment.type == "tools" else [environment.class_] if environment.type == "python" else []

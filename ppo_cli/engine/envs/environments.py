@@ -221,6 +221,30 @@ def check_server(environment: EnvironmentConfig, row: dict) -> None:
           what="environment server", error=EnvironmentSetupError)
 
 
+def check_python_environment(environment: EnvironmentConfig, row: dict) -> None:
+    """type python, before any model loads (train's preflight, which imports the class anyway): one
+    instance built with environment.kwargs, reset on ``row`` (the first prompt's columns, seed 0) and
+    closed, as check_server does on a server, so that wrong kwargs, a reset that raises or answers outside
+    the contract is one line now, not a failed first update after the models load."""
+    factory = EnvironmentFactory(environment)
+
+    async def one_episode() -> None:
+        instance = factory()
+        try:
+            await instance.reset(dict(row), 0)
+        finally:
+            try:
+                await instance.close()
+            except StepFailure:
+                pass  # a failed goodbye: what the episodes themselves also forgive
+
+    try:
+        asyncio.run(one_episode())
+    except StepFailure as err:
+        raise EnvironmentSetupError(str(err), hint="fix the environment class (ppo_cli reset one episode on the first "
+                                    "prompt's row, seed 0, before loading the models)") from None
+
+
 class EnvironmentFactory:
     """The recipe's environment section -> a new environment per episode. Built once, before sampling:
     tools and classes are imported here, so a missing one is one line before any episode runs."""

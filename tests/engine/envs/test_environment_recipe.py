@@ -179,6 +179,35 @@ def test_train_imports_the_environments_code_before_any_model_loads(tmp_path):
     check_environment_code(environment("  type: tools\n  tools: [{dir}/code.py:calculate]\n"), import_code=True)
 
 
+def test_train_builds_and_resets_one_python_environment_before_any_model_loads(tmp_path):
+    """What only running the class shows (kwargs it does not take, a reset that raises or answers outside the
+    contract) is one line before the models load, with the first prompt's row, as for an http server."""
+    from ppo_cli.commands.validate import check_environment_code
+    from ppo_cli.errors import EnvironmentSetupError
+
+    (tmp_path / "games.py").write_text(
+        "class Game:\n    resets = []\n    def __init__(self, size=3):\n        self.size = size\n"
+        "    def reset(self, row, seed):\n        Game.resets.append((row, seed))\n        return row['word'][: self.size]\n"
+        "    def step(self, message):\n        return {'done': True}\n"
+        "class Tuple(Game):\n    def reset(self, row, seed):\n        return 'hi', {}\n")
+
+    def environment(name, kwargs="{}"):
+        return load_recipe(write(tmp_path, BASE + f"environment:\n  type: python\n  class: {tmp_path}/games.py:{name}\n"
+                                 f"  kwargs: {kwargs}\n")).environment
+
+    check_environment_code(environment("Game"), import_code=True, row={"word": "apple"})
+    from ppo_cli.engine.user_code import import_named
+    assert import_named(f"{tmp_path}/games.py:Game", "environment class", EnvironmentSetupError).resets == [({"word": "apple"}, 0)]
+    cases = [(environment("Game", "{tries: 3}"), f"environment {tmp_path}/games.py:Game(**kwargs) raised TypeError: "),
+             (environment("Game"), f"environment {tmp_path}/games.py:Game.reset raised KeyError: 'word'"),
+             (environment("Tuple"), f"environment {tmp_path}/games.py:Tuple.reset gave ")]
+    for config, message in cases:
+        with pytest.raises(EnvironmentSetupError) as err:
+            check_environment_code(config, import_code=True, row={"answer": "x"} if "KeyError" in message else {"word": "w"})
+        assert err.value.message.startswith(message), err.value.message
+        assert err.value.hint.startswith("fix the environment class")
+
+
 def test_an_environment_with_a_policy_without_a_chat_template_is_one_line(tmp_path, chatml, monkeypatch):
     """Each turn is rendered by the policy's chat template: a base model without one is refused in one line,
     before loading from its files (validate, train), and by the sampler for a model given on the command line
