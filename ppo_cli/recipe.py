@@ -835,7 +835,7 @@ class Recipe(Section):
                     f"mini_batch_size ({ppo.mini_batch_size}) must be a multiple of micro_batch_size "
                     f"({ppo.micro_batch_size})",
                     "pick sizes where micro_batch_size divides mini_batch_size and mini_batch_size divides "
-                    "rollout_batch_size",
+                    "rollout_batch_size" + ("" if G == 1 else " x num_generations"),
                     key="ppo.micro_batch_size",
                 )
             return self

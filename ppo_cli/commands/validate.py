@@ -82,8 +82,8 @@ def check_environment_code(environment, import_code: bool = False, row: dict | N
     functions."""
     import difflib
 
-    from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source, last_binding
-    from ppo_cli.engine.user_code import defined_names
+    from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source
+    from ppo_cli.engine.user_code import defined_names, last_binding
     from ppo_cli.errors import EnvironmentSetupError
 
     if import_code:

@@ -94,3 +94,38 @@ def defined_names(path: Path, error: type[PpoError], syntax_hint: str) -> set[st
     defined |= {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for a in node.names}
     defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
     return defined
+
+
+def last_binding(path: Path, name: str):
+    """The top-level statement of the file ``path`` that binds ``name`` last (a def, class, assignment or
+    import), read with ``ast``, not run; None when the file does not parse or does not bind it."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError, OSError):
+        return None
+    bound = [node for node in tree.body if name in _names_bound(node)]
+    return bound[-1] if bound else None
+
+
+def _names_bound(node) -> set[str]:
+    import ast
+
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {name for target in targets for name in _target_names(target)}
+
+
+def _target_names(target) -> set[str]:
+    """The names an assignment target binds: ``a``, ``a, b``, ``*a``; not ``a.x`` or ``a[0]``."""
+    import ast
+
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in _target_names(element)}
+    return _target_names(target.value) if isinstance(target, ast.Starred) else set()

@@ -11,21 +11,10 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from ppo_cli.errors import EnvironmentSetupError
 
 SCHEMA_HINT = "give every argument a type hint and a Google-style docstring with an Args: section"
-
-
-def last_binding(path: Path, name: str) -> ast.stmt | None:
-    """The top-level statement that binds ``name`` last in the file ``path``; None if the file does not parse."""
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError, OSError):
-        return None
-    bound = [node for node in tree.body if name in _bound_names(node)]
-    return bound[-1] if bound else None
 
 
 def check_tool_source(spec: str, node: ast.stmt | None) -> None:
@@ -85,11 +74,3 @@ def _described_arguments(docstring: str) -> set[str]:
         return set()
     return set(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:", match.group(1), re.MULTILINE))
 
-
-def _bound_names(node: ast.stmt) -> set[str]:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {node.name}
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return {t.id for t in targets if isinstance(t, ast.Name)}

@@ -16,6 +16,7 @@ import inspect
 from pathlib import Path
 from typing import Callable
 
+from ppo_cli.engine.user_code import last_binding
 from ppo_cli.errors import RewardFunctionError
 
 # What TRL passes its reward functions besides the dataset's columns (trl GRPOTrainer._calculate_rewards),
@@ -83,12 +84,7 @@ def declared_parameters(path: Path, name: str) -> list[tuple[str, bool]] | None:
     does not say: the file does not parse, or ``name`` is last bound at its top level by something other
     than an undecorated ``def`` (an assignment, an import, a decorator that may change the signature).
     Scoring checks those."""
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError, OSError):
-        return None
-    bound = [node for node in tree.body if name in _names_bound(node)]
-    function = bound[-1] if bound else None
+    function = last_binding(path, name)
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
         return None
     return _parameters(function.args)
@@ -113,24 +109,6 @@ def unpassed_arguments_error(spec: str, parameters: list[tuple[str, bool]]) -> R
         "(it passes prompts, completions and the rows' columns, by keyword)",
         hint=f"give {', '.join(unpassed)} a default (=None), or drop {'it' if len(unpassed) == 1 else 'them'} "
              "and take **kwargs (kwargs.get(...) is None here)")
-
-
-def _names_bound(node: ast.stmt) -> set[str]:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {node.name}
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return {name for target in targets for name in _target_names(target)}
-
-
-def _target_names(target: ast.expr) -> set[str]:
-    """The names an assignment target binds: ``a``, ``a, b``, ``*a``; not ``a.x`` or ``a[0]``."""
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return {name for element in target.elts for name in _target_names(element)}
-    return _target_names(target.value) if isinstance(target, ast.Starred) else set()
 
 
 def _parameters(args: ast.arguments) -> list[tuple[str, bool]]:

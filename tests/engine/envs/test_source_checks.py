@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ppo_cli.engine.envs.environments import EnvironmentFactory
-from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source, last_binding
+from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source
 from ppo_cli.engine.envs.tools import load_tool
+from ppo_cli.engine.user_code import last_binding
 from ppo_cli.errors import EnvironmentSetupError
 from ppo_cli.recipe import EnvironmentConfig
 
