@@ -7,7 +7,7 @@ scoring what `ppo eval` sampled, gives the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ppo_cli.engine.data import prompt_from_value, read_jsonl_objects
@@ -22,9 +22,10 @@ class ScoreRunResult:
     out: Path
     rows: int
     mean_reward: float
-    components: dict[str, float]  # name -> mean value over the rows it scored
+    components: dict[str, float]  # name -> mean value over the rows it scored, before its weight
     failed: int = 0  # rows without a reward (a component failed to score them, or the episode's environment)
     failure: str | None = None  # the first reason one said
+    weights: dict[str, float] = field(default_factory=dict)  # the components whose weight is not 1
 
 
 ROLLOUTS_HINT = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
@@ -77,7 +78,8 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
 
         columns = PromptColumns([PromptSet([r["prompt"] for r in rows], columns=[r.get("columns", {}) for r in rows])])
     failures: list[str] = []  # each component's first failure (a server's answer, a function's None)
-    scored = score_rows(load_reward_stack(recipe, columns, str(rollouts)), rows, failures)
+    stack = load_reward_stack(recipe, columns, str(rollouts))
+    scored = score_rows(stack, rows, failures)
     if failures and all(r["reward"] is None for r in scored):
         raise no_row_scored(failures[0])
     write_jsonl_atomic(out, scored)
@@ -87,4 +89,6 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
         components[STEP_REWARDS] = mean_step_reward(scored)
     failed = sum(r["reward"] is None for r in scored)
     why = failures[0] if failures else env_failures(scored)[1]
-    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed, why)
+    weights = {name: weight for name, weight, _ in stack.scorers if weight != 1.0}
+    return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed, why,
+                          weights)

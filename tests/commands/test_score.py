@@ -107,3 +107,22 @@ def test_rows_a_reward_function_left_without_a_reward_say_why_and_none_scored_is
         run(recipe, rows, tmp_path / "scored-none.jsonl")
     assert err.value.message == f"no row got a reward: reward function '{tmp_path / 'reward.py'}:picky' returned None for 1 of 1 responses"
     assert not (tmp_path / "scored-none.jsonl").exists()  # nothing half-written
+
+
+def test_a_weighted_component_shows_its_weight_beside_its_mean(tmp_path, capsys):
+    """The components' means are before their weights: 'used +0.75 x 0.2' adds up to the mean reward, '+0.75' alone did not."""
+    from ppo_cli.commands.score import run
+    from ppo_cli.report import print_score
+
+    (tmp_path / "reward.py").write_text("def used(prompts, responses):\n    return [1.0 if 'x' in r else 0.0 for r in responses]\n"
+                                        "def one(prompts, responses):\n    return [1.0] * len(responses)\n")
+    recipe = load_recipe(ROOT / "recipes" / "tiny_grpo.yaml", tiny_overrides(tmp_path, tmp_path, **{
+        "reward.components": f"[{{type: function, function: {tmp_path / 'reward.py'}:used, weight: 0.2}}, "
+                             f"{{type: function, function: {tmp_path / 'reward.py'}:one}}]", "reward.missing_eos_penalty": "null"}))
+    rows = tmp_path / "rollouts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "p", "response": r, "finished": True}) + "\n" for r in ("x", "x", "x", "a")))
+    result = run(recipe, rows, tmp_path / "scored.jsonl")
+    assert result.components == {"used": 0.75, "one": 1.0} and result.weights == {"used": 0.2}
+    assert result.mean_reward == pytest.approx(0.2 * 0.75 + 1.0)
+    print_score(str(result.out), result.rows, result.mean_reward, result.components, weights=result.weights)
+    assert "mean reward +1.150 (used +0.75 x 0.2, one +1.00)" in " ".join(capsys.readouterr().out.split())
