@@ -30,7 +30,10 @@ KEY_METRICS = (
 
 
 def metrics_line(metrics: dict) -> str:
-    line = "  ".join(fmt.format(metrics[key]).join((f"{label} ", "")) for key, label, fmt in KEY_METRICS if key in metrics)
+    """The progress line's key metrics; a metric the run does not measure (the KL without a reference
+    forward, kl_coef 0: NaN in metrics.jsonl) is left out rather than shown as nan."""
+    line = "  ".join(fmt.format(metrics[key]).join((f"{label} ", "")) for key, label, fmt in KEY_METRICS
+                     if key in metrics and not (isinstance(metrics[key], float) and math.isnan(metrics[key])))
     if metrics.get(REWARD_FAILED_RATE):  # episodes without a reward left the update
         line += f"  no reward {metrics[REWARD_FAILED_RATE]:.0%}"
     return line

@@ -93,3 +93,12 @@ def test_a_held_out_kl_below_zero_is_explained_under_the_before_after_table():
     words = " ".join(word for word in capture.get().split() if word not in "│╭╮╰╯─")
     assert "KL to reference 0.000 -0.118 -0.118" in words
     assert "the held-out KL to reference is below zero: it is estimated from the sampled tokens" in words
+
+
+def test_the_progress_line_leaves_out_a_metric_the_run_does_not_measure():
+    """kl_coef 0 skips the reference forward: objective/kl is NaN in metrics.jsonl, and 'kl nan' on the line said nothing."""
+    from ppo_cli.report import metrics_line
+
+    measured = {"objective/scores": 0.5, "eos_rate": 0.25, "objective/kl": 1.5, "response_length": 12.0}
+    assert metrics_line(measured) == "score +0.50  eos 25%  kl 1.50  len 12.0"
+    assert metrics_line({**measured, "objective/kl": float("nan")}) == "score +0.50  eos 25%  len 12.0"
