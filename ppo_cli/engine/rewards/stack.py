@@ -51,14 +51,14 @@ class ScoreResult:
         return [score is not None for score in self.scores]
 
 
-def combine_components(scorers: list, values: list[list]) -> tuple[list, dict[str, list], dict[str, str]]:
-    """(B,) totals, name -> (B,) values, name -> failure line: the components' weighted sum per episode.
+def combine_components(scorers: list, values: list[list], count: int) -> tuple[list, dict[str, list], dict[str, str]]:
+    """(B,) totals, name -> (B,) values, name -> failure line: the components' weighted sum per episode
+    (``count``: B).
 
     A function's None (or NaN) is TRL's "this reward does not apply here": the episode's total is the
     weighted sum of the components that did score it (TRL's nansum over reward functions). An episode
     no function scored, or one a server, judge or model failed to score, has no total (None) and the
     component's failure line is kept: it leaves the update, counted, never scored 0."""
-    count = len(values[0]) if values else 0
     totals: list = [0.0] * count
     scored_by = [False] * count
     components: dict[str, list] = {}
@@ -173,7 +173,7 @@ class RewardStack:
         inside it excluded), what the overlong penalty counts; default ``response_lengths``."""
         pending = pending if pending is not None else self.start(prompts, responses, columns)
         values = self._component_values(prompts, responses, known or {}, pending)
-        totals, components, failures = combine_components(self.scorers, values)
+        totals, components, failures = combine_components(self.scorers, values, len(responses))
         if self.config.missing_eos_penalty is not None:
             penalty = [0.0 if done else -self.config.missing_eos_penalty for done in finished]
             components["missing_eos_penalty"] = penalty

@@ -218,11 +218,11 @@ def test_combine_components_sums_what_scored_and_a_server_failure_leaves_no_tota
     function, server = SimpleNamespace(skips_none=True, failure="fn: None"), SimpleNamespace(failure="http: 503")
     scorers = [("fn", 2.0, function), ("fn2", 1.0, SimpleNamespace(skips_none=True, failure=None)), ("http", 0.5, server)]
     totals, components, failures = combine_components(scorers, [[1.0, None, None, 3.0], [None, 1.0, None, 1.0],
-                                                                [2.0, 2.0, 2.0, None]])
+                                                                [2.0, 2.0, 2.0, None]], 4)
     assert totals == [2.0 + 1.0, 1.0 + 1.0, 1.0, None]  # row 2: only the server scored it; row 3: the server failed
     assert components["http"] == [2.0, 2.0, 2.0, None]
     assert failures == {"http": "http: 503"}
-    totals, _, failures = combine_components(scorers[:2], [[None, 4.0], [None, None]])
+    totals, _, failures = combine_components(scorers[:2], [[None, 4.0], [None, None]], 2)
     assert totals == [None, 8.0] and failures == {"fn": "fn: None", "fn2": "fn2 gave no reward"}
 
 
