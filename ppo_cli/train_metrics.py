@@ -111,14 +111,19 @@ def generated_reward_metrics(episodes: ScoredEpisodes, non_score_reward: float, 
 
 def reward_component_metrics(rollout: Rollout | ScoredEpisodes, dist: Distributed) -> dict[str, float]:
     """reward/NAME: each component's mean over the episodes it scored; reward/failed_rate/NAME: the
-    fraction it failed to score (the components that can fail: functions, servers, judges);
+    fraction it failed to score and that no other component scored either (the components that can fail:
+    functions, servers, judges);
     reward/failed_rate: the episodes without a reward (they left the update)."""
     metrics = {}
     device = rollout.scores.device
+    unscored = [not s for s in rollout.scored.tolist()] if rollout.scored is not None else [False] * len(rollout.scores)
     for name, component in rollout.score_components.items():
-        failed = dist.gather(torch.tensor([v is None for v in component], dtype=torch.float64, device=device))
+        missing = dist.gather(torch.tensor([v is None for v in component], dtype=torch.float64, device=device))
+        # a function's None that another component covered is "does not apply" (stack.combine_components), not a failure
+        failed = dist.gather(torch.tensor([v is None and u for v, u in zip(component, unscored)], dtype=torch.float64,
+                                          device=device))
         values = dist.gather(torch.tensor([0.0 if v is None else v for v in component], dtype=torch.float64, device=device))
-        kept = values[failed == 0]
+        kept = values[missing == 0]
         metrics[names.reward_component(name)] = kept.mean().item() if len(kept) else float("nan")
         if name in (rollout.reward_failures or {}):
             metrics[names.reward_component_failed_rate(name)] = failed.mean().item()

@@ -19,8 +19,10 @@ TRL_KEYS: dict[str, str] = {
     "importance_sampling_level": "ppo.ratio_level (token | sequence)",
     "mask_truncated_completions": "ppo.mask_truncated",
     "lam": "ppo.gae_lambda",
-    "per_device_train_batch_size": "ppo.mini_batch_size (completions per optimizer step)",
-    "gradient_accumulation_steps": "ppo.micro_batch_size (mini_batch_size / micro_batch_size micro-batches per step)",
+    "per_device_train_batch_size": "ppo.micro_batch_size (completions per forward); ppo.mini_batch_size is the "
+                                   "completions per optimizer step, per_device_train_batch_size x gradient_accumulation_steps",
+    "gradient_accumulation_steps": "ppo.mini_batch_size / ppo.micro_batch_size (set mini_batch_size to "
+                                   "micro_batch_size x gradient_accumulation_steps)",
     "local_rollout_forward_batch_size": "ppo.micro_batch_size",
     "generation_batch_size": "ppo.rollout_batch_size (prompts per update) x generation.num_generations",
     "steps_per_generation": "ppo.rollout_batch_size x generation.num_generations / ppo.mini_batch_size (optimizer steps "
@@ -79,6 +81,8 @@ def trl_key_hint(key: str) -> str | None:
 
 def trl_value_hint(key_path: str, value) -> str | None:
     """The recipe settings for a TRL name given as the value of ppo.advantage or ppo.loss_aggregation."""
+    if (as_bool := trl_bool_hint(key_path, value)) is not None:
+        return as_bool
     if not isinstance(value, str):
         return None
     name = value.lower()
@@ -86,4 +90,12 @@ def trl_value_hint(key_path: str, value) -> str | None:
         return f"for {value} write {ADVANTAGE_VALUES[name]}"
     if key_path.endswith("loss_aggregation") and name in LOSS_TYPE_VALUES:
         return f"TRL's loss_type {value} is loss_aggregation: {LOSS_TYPE_VALUES[name]}"
+    return None
+
+
+def trl_bool_hint(key_path: str, value) -> str | None:
+    """TRL's scale_rewards also takes true (group) and false (none); a --set gives them as text."""
+    said = str(value).lower()
+    if key_path.endswith("scale_rewards") and said in ("true", "false"):
+        return f"TRL's scale_rewards {said} is scale_rewards: {'group' if said == 'true' else 'none'}"
     return None

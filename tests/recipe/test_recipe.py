@@ -528,6 +528,10 @@ def test_an_episode_budget_below_one_turn_is_refused_on_its_key(tmp_path):
     ("ppo:\n  advantage: gspo\n", "ppo.advantage: invalid value 'gspo'",
      "for gspo write advantage: grpo with ratio_level: sequence and loss_aggregation: seq_mean_token_mean (GSPO)"),
     ("ppo:\n  loss_aggregation: bnpo\n", "ppo.loss_aggregation: invalid value 'bnpo'", "TRL's loss_type bnpo is loss_aggregation: token_mean"),
+    ("ppo:\n  scale_rewards: false\n", "ppo.scale_rewards: invalid value false", "TRL's scale_rewards false is scale_rewards: none"),
+    ("ppo:\n  gradient_accumulation_steps: 4\n", "ppo.gradient_accumulation_steps: unknown key 'gradient_accumulation_steps' in ppo",
+     "TRL's gradient_accumulation_steps is ppo.mini_batch_size / ppo.micro_batch_size (set mini_batch_size to "
+     "micro_batch_size x gradient_accumulation_steps) here"),
 ])
 def test_a_trl_name_or_a_key_in_the_wrong_section_is_pointed_to_its_recipe_key(tmp_path, text, message, hint):
     """Written as a TRL GRPOConfig user writes it: the hint names the recipe key, before the allowed keys."""
@@ -541,6 +545,8 @@ def test_a_trl_name_or_a_key_in_the_wrong_section_is_pointed_to_its_recipe_key(t
 def test_set_of_a_trl_name_points_to_its_recipe_key(tmp_path):
     err = error(write(tmp_path, BASE), ["optim.learning_rate=1e-6"])
     assert err.hint == "TRL's learning_rate is optim.lr here"
+    err = error(write(tmp_path, BASE), ["ppo.scale_rewards=true"])  # a --set gives it as text
+    assert err.hint.startswith("TRL's scale_rewards true is scale_rewards: group;")
     err = error(write(tmp_path, BASE), ["ppo.kl_coeff=0.1"])  # a typo is still a typo
     assert err.hint == "did you mean 'kl_coef'?"
 
