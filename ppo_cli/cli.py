@@ -373,7 +373,7 @@ def score(
 
     result = run_score(resolved, rollouts, out)
     report.print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed,
-                       result.failure, result.weights)
+                       result.failure, result.weights, result.covered)
 
 
 @app.command(name="eval")

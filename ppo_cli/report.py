@@ -249,10 +249,13 @@ def _summary_env_failures(summary: dict) -> str:
 
 
 def print_score(out: str, rows: int, mean_reward: float, components: dict[str, float], failed: int = 0,
-                failure: str | None = None, weights: dict[str, float] | None = None) -> None:
-    """``components``: each one's mean before its weight; ``weights``: those not 1, shown beside them."""
-    weights = weights or {}
+                failure: str | None = None, weights: dict[str, float] | None = None,
+                covered: dict[str, int] | None = None) -> None:
+    """``components``: each one's mean before its weight, over the rows it scored; ``weights``: those not 1,
+    shown beside them; ``covered``: how many rows the components that skipped some (a function's None) scored."""
+    weights, covered = weights or {}, covered or {}
     parts = ", ".join(f"{name} {_signed(value)}" + (f" x {weights[name]:g}" if name in weights else "")
+                      + (f" on {covered[name]} of {rows} rows" if name in covered else "")
                       for name, value in components.items())
     unscored = f"; {failed} row{'s' * (failed != 1)} without a reward (null{f': {failure}' if failure else ''})" if failed else ""
     _say(f"scored {rows} rows: mean reward {_signed(mean_reward, 3)} ({parts}){unscored}; wrote {out}")

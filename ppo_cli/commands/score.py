@@ -26,6 +26,7 @@ class ScoreRunResult:
     failed: int = 0  # rows without a reward (a component failed to score them, or the episode's environment)
     failure: str | None = None  # the first reason one said
     weights: dict[str, float] = field(default_factory=dict)  # the components whose weight is not 1
+    covered: dict[str, int] = field(default_factory=dict)  # the components that scored fewer rows than all: how many
 
 
 ROLLOUTS_HINT = "a rollouts file has one JSON object per line, as `ppo rollout` writes"
@@ -90,5 +91,6 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     failed = sum(r["reward"] is None for r in scored)
     why = failures[0] if failures else env_failures(scored)[1]
     weights = {name: weight for name, weight, _ in stack.scorers if weight != 1.0}
+    covered = {name: sum(r["reward_components"][name] is not None for r in scored) for name in names}
     return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed, why,
-                          weights)
+                          weights, {name: n for name, n in covered.items() if n < len(scored)})

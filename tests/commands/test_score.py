@@ -99,8 +99,11 @@ def test_rows_a_reward_function_left_without_a_reward_say_why_and_none_scored_is
     result = run(recipe, rows, tmp_path / "scored.jsonl")
     why = f"reward function '{tmp_path / 'reward.py'}:picky' returned None for 1 of 2 responses"
     assert (result.failed, result.failure) == (1, why)
-    print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed, result.failure)
-    assert f"; 1 row without a reward (null: {why}); wrote" in " ".join(capsys.readouterr().out.split())
+    print_score(str(result.out), result.rows, result.mean_reward, result.components, result.failed, result.failure,
+                covered=result.covered)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"; 1 row without a reward (null: {why}); wrote" in printed
+    assert "(picky +1.00 on 1 of 2 rows, missing_eos_penalty +0.00)" in printed  # its mean is over the row it scored
 
     rows.write_text(json.dumps({"prompt": "p", "response": "x", "finished": True}) + "\n")
     with pytest.raises(RewardServerError) as err:
