@@ -113,8 +113,10 @@ def check_environment_code(environment, import_code: bool = False, row: dict | N
                 f"define {name} in {target}" if environment.type == "tools"
                 else f"define class {name} with reset(self, row, seed) and step(self, message)")
             raise EnvironmentSetupError(f"'{target}' has no {what} '{name}'", hint=hint)
-        check = check_tool_source if environment.type == "tools" else check_environment_class_source
-        check(spec, last_binding(path, name))  # what loading it at train would refuse, from the source
+        if environment.type == "tools":  # what loading it at train would refuse, from the source
+            check_tool_source(spec, last_binding(path, name))
+        else:
+            check_environment_class_source(spec, last_binding(path, name), environment.kwargs)
 
 
 def check_lora_targets(recipe: Recipe) -> None:

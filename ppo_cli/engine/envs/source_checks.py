@@ -31,20 +31,46 @@ def check_tool_source(spec: str, node: ast.stmt | None) -> None:
         raise EnvironmentSetupError(f"tool '{spec}' has no JSON schema: {problem}", hint=SCHEMA_HINT)
 
 
-def check_environment_class_source(spec: str, node: ast.stmt | None) -> None:
-    """One line for an environment class whose source shows no reset or step (a class without bases)."""
+def check_environment_class_source(spec: str, node: ast.stmt | None, kwargs: dict | None = None) -> None:
+    """One line for an environment class whose source (a class without bases) shows no reset or step, or
+    an __init__ that environment.kwargs does not fit."""
     if node is None or isinstance(node, (ast.Import, ast.ImportFrom)):
         return
     if isinstance(node, ast.ClassDef):
         if any(not (isinstance(b, ast.Name) and b.id == "object") for b in node.bases) or node.decorator_list:
             return  # they may come from a base class
-        methods = {item.name for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        if {"reset", "step"} <= methods:
+        methods = {item.name: item for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if {"reset", "step"} <= set(methods):
+            _check_init_takes(spec, methods.get("__init__"), kwargs or {})
             return
     elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return  # an assignment: what it holds shows when it is imported
     raise EnvironmentSetupError(f"environment class '{spec}' is not a class with reset and step",
                                 hint="def reset(self, row, seed) and def step(self, message)")
+
+
+def _check_init_takes(spec: str, init: ast.FunctionDef | None, kwargs: dict) -> None:
+    """environment.kwargs against the class's own __init__ (none: it takes no arguments)."""
+    if init is not None and (init.args.kwarg is not None or init.decorator_list):
+        return
+    args = init.args if init is not None else None
+    positional = (args.posonlyargs + args.args)[1:] if args is not None else []  # past self
+    takes = [a.arg for a in positional + (args.kwonlyargs if args is not None else [])]
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        said = f"takes: {', '.join(takes)}" if takes else "takes no arguments"
+        raise EnvironmentSetupError(
+            f"environment.kwargs gives {', '.join(unknown)}, which environment class '{spec}' does not take (its __init__ {said})",
+            hint="give environment.kwargs only the arguments its __init__ takes")
+    if args is None:
+        return
+    required = [a.arg for a in positional[:len(positional) - len(args.defaults)]]
+    required += [a.arg for a, default in zip(args.kwonlyargs, args.kw_defaults) if default is None]
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise EnvironmentSetupError(
+            f"environment class '{spec}' needs {', '.join(missing)} in environment.kwargs (its __init__ has no default for "
+            f"{'it' if len(missing) == 1 else 'them'})", hint=f"set environment.kwargs: {{{missing[0]}: ...}}")
 
 
 def _schema_problem(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:

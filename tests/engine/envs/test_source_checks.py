@@ -79,3 +79,29 @@ def test_an_environment_class_without_reset_and_step_is_refused_as_train_refuses
         EnvironmentFactory(config)
     assert from_source.value.message == from_import.value.message == (
         f"environment class '{spec}' is not a class with reset and step")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"low": 1, "high": 5}, None),
+    ({"high": 5}, "environment class '{spec}' needs low in environment.kwargs (its __init__ has no default for it)"),
+    ({"low": 1, "tries": 3}, "environment.kwargs gives tries, which environment class '{spec}' does not take "
+                             "(its __init__ takes: low, high)"),
+])
+def test_environment_kwargs_are_checked_against_the_classs_own_init(tmp_path, kwargs, message):
+    """What train's build of one environment would refuse (TypeError), from the source, before it runs."""
+    path = tmp_path / "envs.py"
+    path.write_text("class Game:\n    def __init__(self, low, high=10):\n        self.low, self.high = low, high\n"
+                    "    def reset(self, row, seed): ...\n    def step(self, message): ...\n"
+                    "class Plain:\n    def reset(self, row, seed): ...\n    def step(self, message): ...\n"
+                    "class Open:\n    def __init__(self, **options): ...\n    def reset(self, row, seed): ...\n"
+                    "    def step(self, message): ...\n")
+    spec = f"{path}:Game"
+    if message is None:
+        check_environment_class_source(spec, last_binding(path, "Game"), kwargs)
+    else:
+        with pytest.raises(EnvironmentSetupError) as err:
+            check_environment_class_source(spec, last_binding(path, "Game"), kwargs)
+        assert err.value.message == message.format(spec=spec)
+    with pytest.raises(EnvironmentSetupError, match="its __init__ takes no arguments"):
+        check_environment_class_source(f"{path}:Plain", last_binding(path, "Plain"), {"tries": 3})
+    check_environment_class_source(f"{path}:Open", last_binding(path, "Open"), {"anything": 1})  # **options takes all
