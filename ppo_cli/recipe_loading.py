@@ -246,10 +246,10 @@ def _check_override_path(data: dict, parts: list[str], item: str) -> tuple[list[
         if fields is not None:
             if part not in fields:
                 close = difflib.get_close_matches(part, fields, n=1)
-                hint = _unknown_key_hint(part, where, list(fields)).rpartition("; allowed keys")[0]
                 raise RecipeError(
                     f"--set {item}: unknown key '{part}' in {where or 'the recipe'}; allowed: {', '.join(fields)}",
-                    hint or (f"did you mean '{close[0]}'?" if close else "run `ppo validate RECIPE` to see every key"),
+                    _key_home(part, where)
+                    or (f"did you mean '{close[0]}'?" if close else "run `ppo validate RECIPE` to see every key"),
                 )
             kinds.append(dict)
             tp, node = fields[part].annotation, node.get(part) if isinstance(node, dict) else None
@@ -390,7 +390,11 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
         return "missing required key", hint + (f" — {description}" if description else "")
     if kind == "extra_forbidden":
         allowed = list(_keyed_fields(where.owner)) if where.owner is not None else []
-        return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), _unknown_key_hint(leaf, parent, allowed)
+        close = difflib.get_close_matches(leaf, allowed, n=1)
+        home = _key_home(leaf, parent)
+        hint = (f"{home}; " if home else f"did you mean '{close[0]}'? " if close else "")
+        hint += f"allowed keys: {', '.join(allowed)}"
+        return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), hint
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         where.path.append(ctx.get("discriminator", "'type'").strip("'"))
         allowed = ", ".join(repr(tag) for tag in _tags(_strip_optional(where.tp)))
@@ -420,19 +424,18 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
     return _one_line(err["msg"][:1].lower() + err["msg"][1:]), description
 
 
-def _unknown_key_hint(key: str, section: str, allowed: list[str]) -> str:
-    """Where an unknown ``key`` of ``section`` ('' at the top level) belongs: a TRL option's recipe key,
-    the section that has a key of that name, or the closest allowed key; then the allowed keys."""
+def _key_home(key: str, section: str) -> str | None:
+    """Where an unknown ``key`` of ``section`` ('' at the top level) belongs: a TRL option's recipe key, the
+    top level, or the section that has a key of that name; None when it belongs nowhere (a typo)."""
     if (trl := trl_key_hint(key)) is not None:
-        return f"{trl}; allowed keys: {', '.join(allowed)}"
+        return trl
+    if "." in section:  # inside a list item or a nested block: no other section to point to
+        return None
+    if section and key in Recipe.model_fields:
+        return f"{key} is a top-level key: write it without a section"
     homes = [name for name, field in Recipe.model_fields.items()
              if name != section and key in _section_keys(_strip_optional(field.annotation))]
-    if section and "." not in section and key in Recipe.model_fields:
-        return f"{key} is a top-level key: write it without a section; allowed keys here: {', '.join(allowed)}"
-    if homes and "." not in section:
-        return f"{key} is a key of {' and '.join(homes)}: write {homes[0]}.{key}; allowed keys here: {', '.join(allowed)}"
-    close = difflib.get_close_matches(key, allowed, n=1)
-    return (f"did you mean '{close[0]}'? " if close else "") + f"allowed keys: {', '.join(allowed)}"
+    return f"{key} is a key of {' and '.join(homes)}: write {homes[0]}.{key}" if homes else None
 
 
 def _section_keys(tp: Any) -> dict[str, FieldInfo]:

@@ -91,6 +91,7 @@ def run(recipe: Recipe, rollouts: Path, out: Path) -> ScoreRunResult:
     failed = sum(r["reward"] is None for r in scored)
     why = failures[0] if failures else env_failures(scored)[1]
     weights = {name: weight for name, weight, _ in stack.scorers if weight != 1.0}
-    covered = {name: sum(r["reward_components"][name] is not None for r in scored) for name in names}
+    covered = {name: n for name in names
+               if (n := sum(r["reward_components"][name] is not None for r in scored)) < len(scored)}
     return ScoreRunResult(Path(out), len(scored), scored_mean([r["reward"] for r in scored]), components, failed, why,
-                          weights, {name: n for name, n in covered.items() if n < len(scored)})
+                          weights, covered)

@@ -64,12 +64,13 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
             from ppo_cli.engine.envs.episode import no_chat_template_error
 
             raise no_chat_template_error(recipe.policy.path)
-        first = rows[0][1].columns
-        check_environment_code(recipe.environment, import_code=import_functions, row=first[0] if first else {})
+        first_columns = rows[0][1].columns
+        first_row = first_columns[0] if first_columns else {}  # what a probe episode resets on
+        check_environment_code(recipe.environment, import_code=import_functions, row=first_row)
         if recipe.environment.type == "http":
             from ppo_cli.engine.envs.environments import check_server
 
-            check_server(recipe.environment, first[0] if first else {})
+            check_server(recipe.environment, first_row)
     check_lora_targets(recipe)
     return prompts, eval_prompts
 
@@ -77,9 +78,9 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
 def check_environment_code(environment, import_code: bool = False, row: dict | None = None) -> None:
     """The files of the environment's tools (type tools) or class (type python). ``import_code`` (train):
     imported and checked as the engine will (schemas, reset and step; a class is built and reset once on
-    ``row``), so a missing or unusable one is one line before any model loads, not after. Else (validate): each file is there and defines the name, and
-    what its source shows train would refuse (engine/envs/source_checks.py), read, not run, as for reward
-    functions."""
+    ``row``), so a missing or unusable one is one line before any model loads, not after. Else (validate):
+    each file is there and defines the name, and what its source shows train would refuse
+    (engine/envs/source_checks.py), read, not run, as for reward functions."""
     import difflib
 
     from ppo_cli.engine.envs.source_checks import check_environment_class_source, check_tool_source

@@ -84,8 +84,7 @@ def cut_prompts_note(prompts: list[Prompt], tokenizer, data, limit: int = 2000) 
     conversation: the start of its last user message) without a word otherwise. The first ``limit``
     prompts are measured: tokenizing a whole large dataset at start would cost more than it tells."""
     measured = prompts[:limit]
-    lengths = prompt_lengths(measured, tokenizer, data) if measured else []
-    cut = [n for n in lengths if n > data.max_prompt_tokens]
+    cut = [n for n in prompt_lengths(measured, tokenizer, data) if n > data.max_prompt_tokens]
     if not cut:
         return None
     of = f"{len(measured)} prompts" if len(measured) == len(prompts) else f"the first {len(measured)} prompts"

@@ -86,7 +86,7 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
             required = columns_required(parameters)
             reads = bool(columns_taken(parameters))
     if reads:  # its rows' columns are found by the prompt (engine/data.PromptColumns): refused now, not mid-run
-        ambiguous = ambiguous_prompt([(source, prompt_set) for source, prompt_set in rows])
+        ambiguous = ambiguous_prompt(rows)
         if ambiguous is not None:
             raise ambiguous
     if not required:
