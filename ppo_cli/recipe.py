@@ -417,8 +417,8 @@ class PPOConfig(Section):
     )
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="How the per-token policy loss becomes one number: token_mean (every token of the micro-batch "
-        "weighs the same: PPO, DAPO; TRL's dapo/bnpo), seq_mean_token_mean (every completion weighs the same: the "
+        description="How the per-token policy loss becomes one number: token_mean (every token of the optimizer "
+        "step weighs the same: PPO, DAPO; TRL's dapo), seq_mean_token_mean (every completion weighs the same: the "
         "GRPO paper), seq_mean_token_sum_norm (each token weighs 1 / generation.max_new_tokens: Dr. GRPO).",
     )
     cliprange_high: float | None = Field(

@@ -297,6 +297,8 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
     accelerator = state.dist.accelerator
     params = [p for group in optimizer.param_groups for p in group["params"]]
     batch_size, stats = len(rollout.prompts), UpdateStats()
+    token_mean = ppo.loss_aggregation == "token_mean"
+    loss_tokens = policy_loss_mask(rollout, ppo, slice(None)).sum(dim=1)  # (B,)
     if isinstance(rollout.logprobs, DeferredOldLogprobs) and ppo.mini_batch_size < batch_size:
         raise ValueError("old log-probs left to the update need one mini-batch per epoch (defer_old_logprobs)")
     for epoch in range(ppo.ppo_epochs):
@@ -309,15 +311,20 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
             micro_batches = split_micro_batches(mini_batch, rollout, ppo)
             if epoch == 0 and index_in_epoch == 0:
                 stats.micro_batches_per_step = len(micro_batches)
+            # token_mean: one mean over every loss token of the optimizer step, on every process (TRL's
+            # "dapo" normalizer): the mean over processes of each one's count, as their gradients are averaged.
+            step_tokens = state.dist.mean_of(float(loss_tokens[mini_batch].sum())) if token_mean else 0.0
             for index, rows in enumerate(micro_batches):
                 # Gradients are averaged across processes once per mini-batch, not per micro-batch.
                 sync = index == len(micro_batches) - 1
                 mark_accumulation_boundary(accelerator, sync)
                 with contextlib.nullcontext() if sync else accelerator.no_sync(state.model):
-                    loss = micro_batch_loss(state, rollout, adv, rows, stats)
-                    # Each micro-batch's loss is a mean over its own tokens: weight it by its share of
-                    # the mini-batch's episodes (1 / grad_accum_steps when all are the same size).
-                    accelerator.backward(loss / (len(mini_batch) / len(rows)))
+                    policy_loss, other_loss = micro_batch_loss(state, rollout, adv, rows, stats)
+                    # Each micro-batch's terms are means over its own tokens or completions: weight them by
+                    # its share of the mini-batch's (1 / grad_accum_steps when all are the same size).
+                    episode_share = len(rows) / len(mini_batch)
+                    policy_share = token_share(loss_tokens[rows], step_tokens) if token_mean else episode_share
+                    accelerator.backward(policy_loss * policy_share + other_loss * episode_share)
             grad_norm = state.dist.clip_grad_norm_(params, max_grad_norm or float("inf"))
             # One NaN step would poison the weights for good: drop it. (After the all-reduce the
             # gradients, hence their norm, are the same on every process, so all of them agree.)
@@ -371,8 +378,24 @@ def token_budget_micro_batches(rows: torch.Tensor, response_lengths: torch.Tenso
     return batches + [rows[current]]
 
 
+def token_share(micro_batch_tokens: torch.Tensor, step_tokens: float) -> float:
+    """A micro-batch's share of the optimizer step's loss tokens (0 when the step has none): its token
+    mean times this is its part of one token mean over the step."""
+    return float(micro_batch_tokens.sum()) / step_tokens if step_tokens > 0 else 0.0
+
+
+def policy_loss_mask(rollout: Rollout, ppo: PPOConfig, rows, T: int | None = None) -> torch.Tensor:
+    """(M, T) bool: the tokens the policy loss averages over; episodes without a reward leave it, and
+    with ppo.mask_truncated the completions cut by max_new_tokens too."""
+    gen = rollout.generation
+    mask = rollout.train_mask[rows, :T]
+    return mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
+
+
 def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, rows: torch.Tensor, stats: UpdateStats):
-    """Loss on a few episodes, trimmed to their longest response (padding costs no compute)."""
+    """Loss on a few episodes, trimmed to their longest response (padding costs no compute), in two
+    parts that optimise weighs differently: (the policy loss with GRPO's KL term, aggregated as
+    ppo.loss_aggregation; the value loss and entropy bonus, token means)."""
     ppo, gen = state.recipe.ppo, rollout.generation
     T = max(1, int(gen.response_mask[rows].sum(dim=1).max()))
     response_ids = gen.response_ids[rows, :T]
@@ -392,7 +415,7 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
         old_logprobs = rollout.logprobs.take(rows, logprobs, gen.action_mask[rows, :T])
     else:
         old_logprobs = rollout.logprobs[rows, :T]
-    loss_mask = mask_truncated_completions(mask, gen.finished[rows]) if ppo.mask_truncated else mask
+    loss_mask = policy_loss_mask(rollout, ppo, rows, T)
     weights = None
     if ppo.rollout_is_clip is not None and rollout.sampler_logprobs is not None:  # a separate sampler drew them
         weights = truncated_is_weights(old_logprobs, rollout.sampler_logprobs[rows, :T], gen.action_mask[rows, :T],
@@ -410,24 +433,24 @@ def micro_batch_loss(state: "TrainState", rollout: Rollout, adv: Advantages, row
                                  max_response_length=max_len)
     with torch.set_grad_enabled(ppo.entropy_coef > 0):
         entropy = masked_mean(token_entropy, mask)
-    if not state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
-        loss = policy.loss - ppo.entropy_coef * entropy
-    else:
+    other_loss = -ppo.entropy_coef * entropy
+    if state.engine.actor_critic.critic.trains:  # value.kind none: its values are zeros, no value loss
         value = clipped_value_loss(values, rollout.values[rows, :T], adv.returns[rows, :T], mask, ppo.cliprange_value)
-        loss = policy.loss + ppo.vf_coef * value.loss - ppo.entropy_coef * entropy
+        other_loss = other_loss + ppo.vf_coef * value.loss
         stats.add(value_loss=value.loss, value_clipfrac=value.clipfrac)
+    policy_loss = policy.loss
     if ppo.kl_in_loss and ppo.uses_reference:  # GRPO: beta * k3(policy || reference) per token, aggregated as the policy loss
         # Padding zeroed before the exp: exp(ref - logprob) of a padding token can overflow, and its
         # inf would reach the gradient as 0 * inf = NaN through a where() after it.
         ref_kl = kl_penalty(torch.where(loss_mask, logprobs, 0), torch.where(loss_mask, rollout.ref_logprobs[rows, :T], 0), "k3")
         kl_loss = aggregate_loss(ref_kl, loss_mask, ppo.loss_aggregation, max_len)
-        loss = loss + state.kl_controller.value * kl_loss
+        policy_loss = policy_loss + state.kl_controller.value * kl_loss
         stats.add(kl_loss=kl_loss)
     stats.add(
         policy_loss=policy.loss, approx_kl=policy.approx_kl, clipfrac=policy.clipfrac, ratio=policy.ratio_mean,
         clipfrac_low=policy.clipfrac_low, clipfrac_high=policy.clipfrac_high, entropy=entropy,
     )
-    return loss
+    return policy_loss, other_loss
 
 
 def select_high_entropy_tokens(token_entropy: torch.Tensor, loss_mask: torch.Tensor, top_quantile: float,
