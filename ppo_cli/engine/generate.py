@@ -40,28 +40,57 @@ def truncate_after_stop(response_ids: torch.Tensor, stop_token_id: int, pad_toke
 
 
 def sampling_config(gen: GenerationConfig, stop_token_id: int, pad_token_id: int):
-    """Exactly the recipe's sampling: PPO's log-probs are those of the full softmax at the temperature,
-    so the samples must come from it too (top_k 0 is passed as 0: None would become transformers' 50)."""
+    """transformers' settings for a generate() call: its greedy loop, whose argmax picks the token after
+    sampling_processors has warped the scores and added the Gumbel noise that makes it a draw."""
     from transformers import GenerationConfig as HFGenerationConfig
 
     return HFGenerationConfig(
-        do_sample=True,
+        do_sample=False,
         max_new_tokens=gen.max_new_tokens,
-        temperature=gen.temperature,
-        top_k=gen.top_k,
-        top_p=gen.top_p,
         eos_token_id=stop_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
     )
 
 
+def sampling_processors(gen: GenerationConfig):
+    """Exactly the recipe's sampling: PPO's log-probs are those of the full softmax at the temperature,
+    so the samples must come from it too. transformers' own warpers, in the order its sampling applies
+    them (temperature, top-k, top-p), then a Gumbel-max draw in place of its softmax + multinomial."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    processors = LogitsProcessorList()
+    if gen.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(gen.temperature))
+    if gen.top_k > 0:
+        processors.append(TopKLogitsWarper(gen.top_k))
+    if gen.top_p < 1.0:
+        processors.append(TopPLogitsWarper(gen.top_p))
+    processors.append(GumbelMaxDraw())
+    return processors
+
+
+class GumbelMaxDraw:
+    """argmax_v(s_v + g_v), g_v = -log(-log U_v), U_v ~ Uniform(0, 1) i.i.d., is a draw from softmax(s)
+    (Gumbel 1954; Maddison et al. 2014). A logits processor: scores (B, V) -> scores plus the noise.
+
+    Why not torch.multinomial: on a CPU it draws its (B, V) exponentials one at a time, 15.8 ms a step at
+    16 x 49,152 against 3.5 ms for the uniforms and two logs (docs/benchmarks.md, Round 7). Masked
+    scores (-inf, top-k and top-p) stay -inf: never drawn."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.rand(scores.shape, dtype=torch.float32, device=scores.device)
+        # U = 0 would give log(0) = -inf; the smallest positive float32 keeps the noise finite.
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        return scores.float() + gumbel
+
+
 @contextlib.contextmanager
 def without_hub_generation_defaults(model):
     """generate() fills every field left None with the model's generation_config.json (a hub model's
     top_k 20, repetition_penalty 1.05, suppress_tokens...) and then transformers' own defaults: a
-    blank config for the duration of the call leaves only transformers' defaults, which are all off
-    except top_k (set explicitly by sampling_config)."""
+    blank config for the duration of the call leaves only transformers' defaults, which are all off in
+    its greedy loop (sampling_config): the recipe's warpers are sampling_processors'."""
     from transformers import GenerationConfig as HFGenerationConfig
 
     lm = unwrap_causal_lm(model)
@@ -174,7 +203,7 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
         extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
     with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
-                             synced_gpus=in_step, **extra)
+                             logits_processor=sampling_processors(gen), synced_gpus=in_step, **extra)
     raw_response = out[:, prompt_ids.shape[1]:]
     response_ids, response_mask, finished = truncate_after_stop(raw_response, stop_token_id, pad_token_id)
     # generate() stops early when every row is done; pad to a fixed T so shapes never vary.
