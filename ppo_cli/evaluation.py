@@ -43,7 +43,7 @@ def generation_settings(recipe: Recipe) -> dict:
     """The sampling settings a row records, so a rollout file says how it was made."""
     gen = recipe.generation
     return {"backend": gen.backend, "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
-            "top_p": gen.top_p, "stop_token": gen.stop_token, "chat_template": recipe.data.chat_template,
+            "top_p": gen.top_p, "min_p": gen.min_p, "stop_token": gen.stop_token, "chat_template": recipe.data.chat_template,
             "system_prompt": recipe.data.system_prompt, "max_prompt_tokens": recipe.data.max_prompt_tokens}
 
 

@@ -328,6 +328,8 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs use logits / temperature too.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 disables it.")
+    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="Min-p sampling: drop tokens less likely than min_p x the "
+                         "likeliest one (after the temperature); 0 disables it.")
     num_generations: int = Field(
         1, gt=0,
         description="Completions sampled per prompt (TRL's name), each prompt repeated this many times in a row before "

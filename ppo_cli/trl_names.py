@@ -52,8 +52,8 @@ TRL_KEYS: dict[str, str] = {
     "dataset_name": "data.prompts",
     "eval_strategy": "data.eval_prompts (held-out prompts, evaluated before and after training)",
     "eval_steps": "data.eval_prompts (held-out prompts, evaluated before and after training)",
-    "min_p": "nothing: generation has temperature, top_k and top_p",
-    "repetition_penalty": "nothing: generation has temperature, top_k and top_p",
+    "min_p": "generation.min_p",
+    "repetition_penalty": "nothing: generation has temperature, top_k, top_p and min_p",
     "sync_ref_model": "nothing: the reference is the frozen base",
 }
 

@@ -56,8 +56,9 @@ def sampling_config(gen: GenerationConfig, stop_token_id: int, pad_token_id: int
 def sampling_processors(gen: GenerationConfig):
     """Exactly the recipe's sampling: PPO's log-probs are those of the full softmax at the temperature,
     so the samples must come from it too. transformers' own warpers, in the order its sampling applies
-    them (temperature, top-k, top-p), then a Gumbel-max draw in place of its softmax + multinomial."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    them (temperature, top-k, top-p, min-p), then a Gumbel-max draw in place of its softmax + multinomial."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
 
     processors = LogitsProcessorList()
     if gen.temperature != 1.0:
@@ -66,6 +67,8 @@ def sampling_processors(gen: GenerationConfig):
         processors.append(TopKLogitsWarper(gen.top_k))
     if gen.top_p < 1.0:
         processors.append(TopPLogitsWarper(gen.top_p))
+    if gen.min_p > 0.0:
+        processors.append(MinPLogitsWarper(gen.min_p))
     processors.append(GumbelMaxDraw())
     return processors
 

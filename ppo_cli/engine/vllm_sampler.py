@@ -82,7 +82,7 @@ def import_vllm():
 
 def sampling_kwargs(gen: GenerationConfig, stop_token_id: int, seed: int, n: int = 1) -> dict:
     """vLLM SamplingParams for one request of ``n`` completions, identical in effect to
-    generate.sampling_config: the full softmax at the temperature unless top_k / top_p are set,
+    generate.sampling_config: the full softmax at the temperature unless top_k / top_p / min_p are set,
     stopping at the stop token only.
 
     vLLM disables top-k with -1 (transformers with 0). logprobs=0 returns the sampled token's log-prob
@@ -95,7 +95,7 @@ def sampling_kwargs(gen: GenerationConfig, stop_token_id: int, seed: int, n: int
         temperature=gen.temperature,
         top_k=gen.top_k if gen.top_k > 0 else -1,
         top_p=gen.top_p,
-        min_p=0.0,
+        min_p=gen.min_p,
         repetition_penalty=1.0,
         presence_penalty=0.0,
         frequency_penalty=0.0,

@@ -50,6 +50,13 @@ def test_top_p_keeps_the_smallest_set_over_p():
     _assert_within_5_standard_errors(freq, [0.0, 0.0, 3 / 7, 4 / 7])
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    # probabilities 0.05, 0.15, 0.3, 0.5: min_p 0.25 drops those below 0.125 -> 0.15, 0.3, 0.5 renormalized
+    scores = torch.tensor([[0.05, 0.15, 0.3, 0.5]]).log()
+    freq = _frequencies(sampling_processors(GenerationConfig(min_p=0.25)), scores)
+    _assert_within_5_standard_errors(freq, [0.0, 0.15 / 0.95, 0.3 / 0.95, 0.5 / 0.95])
+
+
 def test_the_default_recipe_draws_from_the_full_softmax_with_no_warper():
     processors = sampling_processors(GenerationConfig())
     assert [type(p) for p in processors] == [GumbelMaxDraw]

@@ -32,8 +32,8 @@ def test_sampling_params_match_the_hf_backend():
     assert kwargs["logprobs"] == 0  # the sampled token's log-prob only
     assert (kwargs["repetition_penalty"], kwargs["presence_penalty"], kwargs["frequency_penalty"]) == (1.0, 0.0, 0.0)
     assert kwargs["detokenize"] is False
-    limited = vllm_sampler.sampling_kwargs(GenerationConfig(top_k=50, top_p=0.9), STOP, 0)
-    assert (limited["top_k"], limited["top_p"]) == (50, 0.9)
+    limited = vllm_sampler.sampling_kwargs(GenerationConfig(top_k=50, top_p=0.9, min_p=0.05), STOP, 0)
+    assert (limited["top_k"], limited["top_p"], limited["min_p"]) == (50, 0.9, 0.05)
 
 
 def _recipe(**sets):

@@ -520,6 +520,7 @@ def test_an_episode_budget_below_one_turn_is_refused_on_its_key(tmp_path):
 
 @pytest.mark.parametrize("text, message, hint", [
     ("ppo:\n  beta: 0.04\n", "ppo.beta: unknown key 'beta' in ppo", "TRL's beta is ppo.kl_coef here"),
+    ("ppo:\n  min_p: 0.1\n", "ppo.min_p: unknown key 'min_p' in ppo", "TRL's min_p is generation.min_p here"),
     ("ppo:\n  num_iterations: 1\n", "ppo.num_iterations: unknown key 'num_iterations' in ppo", "TRL's num_iterations is ppo.ppo_epochs here"),
     ("ppo:\n  num_generations: 4\n", "ppo.num_generations: unknown key 'num_generations' in ppo",
      "num_generations is a key of generation: write generation.num_generations"),
