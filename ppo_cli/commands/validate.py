@@ -46,6 +46,7 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
     prompts = rows[0][1].prompts
     eval_prompts = rows[1][1].prompts if recipe.data.eval_prompts else []
     check_reward_reads_conversations(recipe.reward, prompts + eval_prompts)
+    check_policy_chat_template(recipe, prompts + eval_prompts)
     for key, path in (("policy.path", recipe.policy.path), ("reference.path", recipe.reference.path),
                       ("value.path", recipe.value.path)):
         if path:
@@ -73,6 +74,18 @@ def check_recipe_files(recipe: Recipe, import_functions: bool = False) -> tuple[
             check_server(recipe.environment, first_row)
     check_lora_targets(recipe)
     return prompts, eval_prompts
+
+
+def check_policy_chat_template(recipe: Recipe, prompts: list) -> None:
+    """Prompts that go through a chat template, for a policy whose tokenizer files define none: the
+    error encode_prompt would raise once the models are loaded, now, from the files."""
+    from ppo_cli.engine.chat import NO_TEMPLATE_HINT, PROMPTS_NEED_TEMPLATE, needs_chat_template
+    from ppo_cli.errors import DataError
+    from ppo_cli.model_refs import has_chat_template
+
+    if recipe.environment is None and needs_chat_template(prompts, recipe.data) and has_chat_template(recipe.policy.path) is False:
+        raise DataError(f"{PROMPTS_NEED_TEMPLATE} but the tokenizer of {recipe.policy.path} has no chat template",
+                        hint=NO_TEMPLATE_HINT)
 
 
 def check_environment_code(environment, import_code: bool = False, row: dict | None = None) -> None:

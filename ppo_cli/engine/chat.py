@@ -42,6 +42,21 @@ def check_chat_template(tokenizer, why: str, hint: str) -> None:
         raise DataError(f"{why} but the tokenizer has no chat template", hint=hint)
 
 
+PROMPTS_NEED_TEMPLATE = "the prompts need a chat template (conversation rows, data.chat_template or data.system_prompt)"
+NO_TEMPLATE_HINT = "use a chat model, or plain-text prompts without data.chat_template and data.system_prompt"
+
+
+def needs_chat_template(prompts: list[Prompt], data) -> bool:
+    """Whether any prompt reaches the policy through its chat template (prompt_messages)."""
+    return bool(data.chat_template or data.system_prompt) or any(not isinstance(p, str) for p in prompts)
+
+
+def policy_template_ids(messages: list[Message], tokenizer) -> list[int]:
+    """template_ids of a prompt's conversation, refused in one line where the policy's tokenizer has no template."""
+    check_chat_template(tokenizer, PROMPTS_NEED_TEMPLATE, NO_TEMPLATE_HINT)
+    return template_ids(messages, tokenizer)
+
+
 def render_template(tokenizer, messages: list[Message], add_generation_prompt: bool = False) -> str:
     """The chat template's text. A template may refuse a conversation (Mistral's and Gemma's raise on a
     system turn, most on roles that do not alternate): that is the data's fault, said in one line."""
@@ -75,7 +90,7 @@ def prompt_lengths(prompts: list[Prompt], tokenizer, data) -> list[int]:
     for prompt in prompts:
         messages = prompt_messages(prompt, data)
         lengths.append(len(tokenizer(prompt, add_special_tokens=True)["input_ids"]) if messages is None
-                       else len(template_ids(messages, tokenizer)))
+                       else len(policy_template_ids(messages, tokenizer)))
     return lengths
 
 
@@ -105,11 +120,7 @@ def encode_prompt(prompt: Prompt, tokenizer, data) -> list[int]:
     if messages is None:
         tokenizer.truncation_side = "left"
         return tokenizer(prompt, truncation=True, max_length=limit, add_special_tokens=True)["input_ids"]
-    check_chat_template(
-        tokenizer, "the prompts need a chat template (conversation rows, data.chat_template or data.system_prompt)",
-        "use a chat model, or plain-text prompts without data.chat_template and data.system_prompt",
-    )
-    ids = template_ids(messages, tokenizer)
+    ids = policy_template_ids(messages, tokenizer)
     return ids if len(ids) <= limit else _truncate_last_user_turn(messages, tokenizer, limit)
 
 
