@@ -338,6 +338,7 @@ def rollout(
     check_output_path(out)
     resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
     prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
+    inputs.cut_prompts_notes(resolved, [model_ref], prompt_list, _note)
     from ppo_cli import report
     from ppo_cli.commands.rollout import run as run_rollout
 
@@ -379,7 +380,7 @@ def score(
 @app.command(name="eval")
 def eval_(
     model: ModelArg, prompts: PromptsOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="JSON summary file. Default: eval-<MODEL>.json.", show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="JSON summary file. Default: eval-<MODEL>.json in the model's run directory (base, aligned, a run's checkpoint), else in the current directory.", show_default=False)] = None,
     field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None, overrides: OverridesOpt = None,
     max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
     num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
@@ -387,10 +388,14 @@ def eval_(
     """Sample, score and summarise MODEL: reward statistics, EOS rate, length, KL, distinct-n."""
     from ppo_cli.runs import check_output_path
 
-    out = check_output_path(out or Path(f"eval-{inputs.slug(model)}.json"))
-    replaced = out.exists()
+    if out is not None:
+        check_output_path(out)  # before anything loads
     resolved, (model_ref,) = inputs.recipe_and_models([model], run, recipe, overrides, max_new_tokens, temperature, seed, note=_note)
+    # beside the run it measures: evaluating another run from the same directory replaces nothing of this one's
+    out = check_output_path(out or Path(model_ref.run_dir or ".") / f"eval-{inputs.slug(model)}.json")
+    replaced = out.exists()
     prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
+    inputs.cut_prompts_notes(resolved, [model_ref], prompt_list, _note)
     from ppo_cli import report
     from ppo_cli.commands.eval import run as run_eval
 
@@ -405,7 +410,7 @@ def compare(
     model_a: Annotated[str, typer.Argument(metavar="A", help="First model (see MODEL in `ppo eval --help`), e.g. base.", show_default=False)],
     model_b: Annotated[str, typer.Argument(metavar="B", help="Second model, e.g. aligned.", show_default=False)],
     prompts: PromptsOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for compare.md, compare.json and rows.jsonl.", show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for compare.md, compare.json and rows.jsonl. Default: none written (the table only).", show_default=False)] = None,
     field: FieldOpt = None, run: RunOpt = None, recipe: RecipeOpt = None, overrides: OverridesOpt = None,
     max_new_tokens: MaxNewTokensOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
     num_samples: NumSamplesOpt = 1, batch_size: BatchSizeOpt = None,
@@ -416,6 +421,7 @@ def compare(
     resolved, models = inputs.recipe_and_models([model_a, model_b], run, recipe, overrides, max_new_tokens, temperature, seed,
                                                note=_note)
     prompt_list, source, columns = inputs.command_prompts(prompts, field, resolved, _note)
+    inputs.cut_prompts_notes(resolved, models, prompt_list, _note)
     from ppo_cli import report
     from ppo_cli.commands.compare import run as run_compare
 
@@ -444,7 +450,7 @@ def report_error(err: BaseException, resume: str | None = None) -> int:
     """Print ``err`` as one line (+ hint) on stderr; return the exit code for it. ``resume``: the `ppo train`
     line that continues the run, for hints that say to resume (errors.RESUME)."""
     if isinstance(err, PpoError):
-        print_error(err.message, err.hint, resume)
+        print_error(err.message, err.hint, resume, err.label)
         return err.exit_code
     if isinstance(err, KeyboardInterrupt):
         print_error("interrupted")

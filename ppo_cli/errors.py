@@ -29,6 +29,7 @@ class PpoError(Exception):
     """An error with a message for people and an optional hint naming the fix."""
 
     exit_code = EXIT_RUNTIME
+    label = "error"  # the word before the message on stderr
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
@@ -111,6 +112,7 @@ class Interrupted(PpoError):
     """Stopped by Ctrl-C / SIGTERM after saving a checkpoint."""
 
     exit_code = EXIT_INTERRUPTED
+    label = "stopped"  # asked for, and nothing lost: not an error
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
@@ -125,14 +127,15 @@ def with_resume_command(hint: str, resume: str | None = None) -> str:
     return hint.replace(RESUME, resume) if resume else hint
 
 
-def print_error(message: str, hint: str | None = None, resume: str | None = None) -> None:
+def print_error(message: str, hint: str | None = None, resume: str | None = None, label: str = "error") -> None:
     """``error: <message>`` and ``hint: <hint>`` on stderr: how every process (the CLI, the launcher,
-    the collective watchdog) shows a PpoError. ``resume``: the run's resume command (with_resume_command)."""
+    the collective watchdog) shows a PpoError (``label``: its own word, 'stopped' for an interrupted run).
+    ``resume``: the run's resume command (with_resume_command)."""
     from rich.text import Text
 
     console = stderr_console()
     # Text, not a markup string: messages quote user input such as '[bold]' or '[/]'.
-    console.print(Text.assemble(("error:", "bold red"), " ", message))
+    console.print(Text.assemble((f"{label}:", "bold red" if label == "error" else "bold"), " ", message))
     if hint:
         console.print(Text.assemble(("hint:", "bold"), " ", with_resume_command(hint, resume)))
 

@@ -343,7 +343,8 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     rows, rows_how = logits_rows(policy, B, T)
     logits = copies * rows * policy.vocab * 4
     update.append(Line("policy", "logits (update)", logits / GB,
-                       f"{copies} x {rows_how} x {policy.vocab} vocab x 4 B", "update"))
+                       f"{copies} float32 copies (log-softmax and its backward{', entropy' if s.entropy_bonus else ''}) x "
+                       f"{rows_how} x {policy.vocab} vocab x 4 B", "update"))
     if s.device == "cpu" and s.gradient_checkpointing:
         # What the heap keeps follows what the layers compute and free, not the layer inputs kept. Mapped
         # on huge pages, blocks of MAPPED_BLOCK_THRESHOLD or more go back to the kernel when freed; where a

@@ -52,6 +52,7 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
         if RunDir(loaded.run_dir).is_run():  # base / aligned of the run --recipe names, where it has run
             run = loaded.run_dir
     models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
+    check_policy_override(sets, models)
     if loaded is None:
         recipe_path = recipe_for_models(models, run, output_root=root)
         loaded = load_recipe(recipe_path, sets)
@@ -62,6 +63,23 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
         check_vllm_backend(loaded, models=models)
     check_environment(loaded)
     return loaded, models
+
+
+def check_policy_override(sets: list[str], models) -> None:
+    """--set policy.path names a model, but `base` and `aligned` are a run's, which it cannot change:
+    refused in one line rather than sampling the run's model while the user thinks it is theirs."""
+    override = next((item.partition("=")[2].strip() for item in reversed(sets)
+                     if item.partition("=")[0].strip() == "policy.path"), None)
+    if override is None:
+        return
+    for model in models:
+        if model.kind in ("base", "aligned") and Path(model.base_path).resolve() != Path(override).resolve():
+            raise UsageError(
+                f"--set policy.path={override} does not change `{model.reference}`: that is run {model.run_dir}'s "
+                f"model, trained from {model.base_path}",
+                hint=f"to sample {override}, pass it as MODEL in place of `{model.reference}`; for the run's "
+                     f"`{model.reference}`, drop the --set",
+            )
 
 
 def check_vllm_backend(recipe, world_size: int = 1, models=()) -> None:
@@ -100,6 +118,29 @@ def check_environment(recipe, world_size: int = 1) -> None:
             f"environment: episodes of several turns sample with generation.backend hf, not {recipe.generation.backend}",
             hint="set generation.backend: hf (vLLM turns are not supported with an environment yet)",
         )
+
+
+def cut_prompts_notes(recipe, models, prompts: list, note: Callable[[str], None]) -> None:
+    """The note `ppo train` gives where prompts are longer than data.max_prompt_tokens (they lose their
+    first tokens), for each model's tokenizer that cuts them; read from the tokenizer files alone."""
+    from ppo_cli.engine.chat import cut_prompts_note
+    from ppo_cli.engine.models import load_tokenizer
+    from ppo_cli.errors import PpoError
+
+    said = set()
+    for model in models:
+        if recipe.environment is not None or model.tokenizer_path in said:
+            continue
+        said.add(model.tokenizer_path)
+        pol = recipe.policy
+        try:
+            tokenizer = load_tokenizer(model.tokenizer_path, trust_remote_code=pol.trust_remote_code,
+                                       revision=pol.revision if model.tokenizer_path == pol.path else None)
+            message = cut_prompts_note(prompts, tokenizer, recipe.data)
+        except PpoError:  # a model or prompts the command refuses with its own line, after its other checks
+            continue
+        if message:
+            note(message + (f" ({model.reference})" if len(models) > 1 else ""))
 
 
 def command_prompts(path, field, recipe, note: Callable[[str], None]):

@@ -19,6 +19,7 @@ from ppo_cli.errors import EXIT_RUNTIME, EXIT_USAGE
 from tests.conftest import ROOT
 
 runner = CliRunner()
+CONVERSATION_ROW = '{"prompt": [{"role": "user", "content": "How was the movie?"}]}\n'
 TEMP_MARKERS = (".tmp", ".final-", ".step-")
 
 
@@ -49,6 +50,13 @@ class Env:
         path = self.tmp / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         return str(path)
+
+    def policy_without_template(self) -> str:
+        """The policy with tokenizer files whose config defines no chat template (a base model's)."""
+        target = self.tmp / "base-policy"
+        shutil.copytree(self.models / "policy", target)
+        (target / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+        return str(target)
 
     def corrupt_model(self, name: str) -> str:
         """A copy of a tiny model whose weights file is cut short: found by every check, fails to load."""
@@ -201,6 +209,9 @@ CASES: list[tuple[str, Callable[[Env], list[str]], str]] = [
     ("resume-incomplete-checkpoint", lambda e: (e.fake_run(manifest=False), ["train", e.recipe(), "--resume", str(e.tmp / "runs/tiny-sentiment/checkpoints/step-000001")])[1], "incomplete"),
     ("resume-other-runs-checkpoint", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp)])[1], "is not a checkpoint of run"),
     ("resume-missing-path", lambda e: (e.fake_run(), ["train", e.recipe(), "--resume", str(e.tmp / "nowhere")])[1], "checkpoint not found"),
+    ("conversations-for-a-model-without-template", lambda e: ["train", e.recipe()] + _set(f"data.prompts={e.file('chat.jsonl', CONVERSATION_ROW)}", f"policy.path={e.policy_without_template()}"), "but the tokenizer of"),
+    ("validate-conversations-without-template", lambda e: ["validate", e.recipe()] + _set("data.chat_template=true", f"policy.path={e.policy_without_template()}"), "the prompts need a chat template (conversation rows, data.chat_template or data.system_prompt) but the tokenizer of"),
+    ("base-with-policy-path-set", lambda e: (e.fake_run(), ["rollout", "base", "--recipe", e.recipe(), "--out", str(e.tmp / "out.jsonl")] + _set(f"policy.path={e.models / 'reward'}"))[1], "does not change `base`: that is run"),
     ("resume-changed-recipe", lambda e: (e.fake_run(), ["train", e.recipe(_edit("ppo.kl_coef", 0.5)), "--resume", "latest"])[1], "ppo.kl_coef: 0.4 -> 0.5"),
     ("resume-with-overwrite", lambda e: ["train", e.recipe(), "--resume", "latest", "--overwrite"], "cannot be used together"),
     ("validate-unknown-key", lambda e: ["validate", e.recipe(_edit("policy.lora.rank", 8))], "rank"),

@@ -345,7 +345,7 @@ def test_a_resume_hint_gives_a_command_that_resumes_this_run(monkeypatch, fake_t
     _interrupted(monkeypatch)
     result = invoke("train", MINIMAL, *args)
     assert result.exit_code == EXIT_INTERRUPTED
-    assert result.stderr.splitlines() == ["error: interrupted after update 4; checkpoint saved",
+    assert result.stderr.splitlines() == ["stopped: interrupted after update 4; checkpoint saved",
                                           f"hint: resume with: {command}"]
 
 

@@ -85,6 +85,16 @@ def test_rollout_writes_one_row_per_prompt_and_sample(ws: Workspace, tmp_path: P
     assert "wrote 6 rows (3 prompts)" in result.stdout
 
 
+def test_rollout_says_which_prompts_are_cut_as_train_does(ws: Workspace, tmp_path: Path):
+    out = tmp_path / "cut.jsonl"
+    result = ok("rollout", "aligned", "--run", ws.run, "--prompts", ws.prompts, "--out", out, "--max-new-tokens", 2,
+                "--set", "data.max_prompt_tokens=3")
+    longest = max(len(p.split()) for p in PROMPTS)  # the tiny tokenizer: at least a token per word
+    note = next(line for line in result.stderr.splitlines() if "longer than data.max_prompt_tokens (3" in line)
+    assert note.startswith("note: ") and "of 3 prompts" in note and "lose their first tokens" in note
+    assert all(r["prompt_tokens"] == 3 for r in read_jsonl(out)) and longest > 3
+
+
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "dataset"])
 def test_rollout_reads_each_prompt_format(ws: Workspace, tmp_path: Path, fmt: str):
     extra = []
@@ -213,7 +223,8 @@ def test_rollout_then_score_gives_the_eval_mean_reward(ws: Workspace, tmp_path: 
 def test_eval_of_base_has_zero_kl_and_default_summary_name(ws: Workspace, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ok("eval", "base", "--run", ws.run, "--prompts", ws.prompts, "--max-new-tokens", 4)
-    summary = json.loads((tmp_path / "eval-base.json").read_text())
+    assert not (tmp_path / "eval-base.json").exists()  # beside the run it measures, not where the command ran
+    summary = json.loads((Path(ws.run) / "eval-base.json").read_text())
     assert summary["kl"] == 0.0
     assert summary["num_prompts"] == 3
 

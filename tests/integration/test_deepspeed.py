@@ -199,7 +199,7 @@ def test_deepspeed_ctrl_c_finishes_the_update_checkpoints_and_resumes(tiny_model
     stdout, stderr = proc.communicate(timeout=400)
     assert proc.returncode != 0
     assert "checkpoint saved" in stderr and "--resume" in stderr, stderr[-3000:]
-    assert stderr.count("error: interrupted after update") == 2  # one line from each process
+    assert stderr.count("stopped: interrupted after update") == 2  # one line from each process
     # accelerate's launcher prints its own traceback (ChildFailedError) when a process exits non-zero;
     # none comes from ppo_cli's code.
     assert f'File "{ROOT / "ppo_cli"}' not in stderr, stderr[-3000:]

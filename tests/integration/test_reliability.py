@@ -107,7 +107,7 @@ def test_sigint_finishes_the_update_checkpoints_and_resumes(tiny_models, tmp_pat
     assert "Traceback" not in stderr
     # The run was started with --set overrides: the hint resumes it from its saved recipe, which holds them.
     assert stderr.splitlines()[-1] == f"hint: resume with: ppo train {run / 'recipe.yaml'} --resume"
-    assert stderr.splitlines()[-2].startswith("error: interrupted after update ") and "checkpoint saved" in stderr
+    assert stderr.splitlines()[-2].startswith("stopped: interrupted after update ") and "checkpoint saved" in stderr
     saved = sorted((run / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and (saved[0] / "manifest.json").exists()
     ppo, *hinted = shlex.split(stderr.splitlines()[-1].removeprefix("hint: resume with: "))
