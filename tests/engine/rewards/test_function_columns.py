@@ -8,6 +8,7 @@ from ppo_cli.engine.rewards.function_columns import (declared_columns, declared_
                                                      positional_parameters, required_columns)
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError
+from tests.conftest import ROOT
 
 # (signature, the columns it cannot do without)
 SIGNATURES = [
@@ -97,6 +98,13 @@ def test_the_wrapper_in_the_hint_scores_each_row_with_the_per_row_function():
     exec("\n".join(line[4:] for line in hint.splitlines()[1:]), namespace)
     truths = [{"style": "rule", "ground_truth": "4"}, {"style": "rule", "ground_truth": "9"}]
     assert namespace["compute_score_batched"](["2+2?", "3*3?"], [" 4", "8"], truths, ["gsm8k", "gsm8k"]) == [1.0, 0.0]
+
+
+def test_the_wrapper_in_docs_rewards_md_is_the_one_the_hint_prints():
+    hint = per_row_error("my_verl_reward.py:compute_score", VERL, {"reward_model"}).hint
+    docs = (ROOT / "docs" / "rewards.md").read_text()
+    assert all(line[4:] in docs for line in hint.splitlines()[1:])
+    assert "(function: my_verl_reward.py:compute_score_batched)" in hint and "`function: my_verl_reward.py:compute_score_batched`" in docs
 
 
 @pytest.mark.parametrize("positional, columns, named", [
