@@ -107,8 +107,8 @@ def _what_it_takes(component: FunctionReward, import_functions: bool) -> tuple[s
     error = unpassed_arguments_error(component.function, parameters)  # what load_reward_function refuses at train
     if error is not None:
         raise error
-    keyword_only = is_trl_style(parameter for parameter, _ in parameters)
-    return columns_required(parameters), bool(columns_taken(parameters)), [] if keyword_only else declared_positional(Path(target), name)
+    positional = [] if is_trl_style(parameter for parameter, _ in parameters) else declared_positional(Path(target), name)
+    return columns_required(parameters), bool(columns_taken(parameters)), positional
 
 
 def display_name(component: FunctionReward) -> str:
