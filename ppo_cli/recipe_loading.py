@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import json
 import re
 import shlex
@@ -22,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from ppo_cli.errors import RecipeError
+from ppo_cli.foreign_names import foreign_key_hint, trl_value_hint
 from ppo_cli.recipe import Recipe
-from ppo_cli.trl_names import trl_key_hint, trl_value_hint
 
 # --- loading -------------------------------------------------------------------------------------
 #
@@ -248,7 +249,7 @@ def _check_override_path(data: dict, parts: list[str], item: str) -> tuple[list[
                 close = difflib.get_close_matches(part, fields, n=1)
                 raise RecipeError(
                     f"--set {item}: unknown key '{part}' in {where or 'the recipe'}; allowed: {', '.join(fields)}",
-                    _key_home(part, where)
+                    _key_home(part, where, [parts[depth + 1:end] for end in range(depth + 1, len(parts) + 1)])
                     or (f"did you mean '{close[0]}'?" if close else "run `ppo validate RECIPE` to see every key"),
                 )
             kinds.append(dict)
@@ -391,7 +392,7 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
     if kind == "extra_forbidden":
         allowed = list(_keyed_fields(where.owner)) if where.owner is not None else []
         close = difflib.get_close_matches(leaf, allowed, n=1)
-        home = _key_home(leaf, parent)
+        home = _key_home(leaf, parent, _written_below(value))
         hint = (f"{home}; " if home else f"did you mean '{close[0]}'? " if close else "")
         hint += f"allowed keys: {', '.join(allowed)}"
         return f"unknown key '{leaf}'" + (f" in {parent}" if parent else ""), hint
@@ -424,11 +425,14 @@ def _message_and_hint(err: dict, where: _Where) -> tuple[str, str | None]:
     return _one_line(err["msg"][:1].lower() + err["msg"][1:]), description
 
 
-def _key_home(key: str, section: str) -> str | None:
-    """Where an unknown ``key`` of ``section`` ('' at the top level) belongs: a TRL option's recipe key, the
-    top level, or the section that has a key of that name; None when it belongs nowhere (a typo)."""
-    if (trl := trl_key_hint(key)) is not None:
-        return trl
+def _key_home(key: str, section: str, below: list[list[str]] = ([],)) -> str | None:
+    """Where an unknown ``key`` of ``section`` ('' at the top level) belongs: a TRL, verl or OpenRLHF
+    option's recipe key, the top level, or the section that has a key of that name; None when it belongs
+    nowhere (a typo). ``below``: the key paths written under it, [] first (verl's nested config:
+    ``algorithm: {kl_ctrl: {kl_coef: 0.001}}`` or ``--set algorithm.kl_ctrl.kl_coef=0.001``)."""
+    written = [[*section.split("."), key, *path] if section else [key, *path] for path in below]
+    if (elsewhere := foreign_key_hint(written, _recipe_keys())) is not None:
+        return elsewhere
     if "." in section:  # inside a list item or a nested block: no other section to point to
         return None
     if section and key in Recipe.model_fields:
@@ -436,6 +440,22 @@ def _key_home(key: str, section: str) -> str | None:
     homes = [name for name, field in Recipe.model_fields.items()
              if name != section and key in _section_keys(_strip_optional(field.annotation))]
     return f"{key} is a key of {' and '.join(homes)}: write {homes[0]}.{key}" if homes else None
+
+
+def _written_below(value: Any) -> list[list[str]]:
+    """The key paths of a mapping written under an unknown key, [] (the key itself) first."""
+    paths: list[list[str]] = [[]]
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            paths += [[str(key), *path] for path in _written_below(inner)]
+    return paths
+
+
+@functools.cache
+def _recipe_keys() -> frozenset[str]:
+    """Every key of the top level and of its sections."""
+    return frozenset(Recipe.model_fields).union(*(_section_keys(_strip_optional(field.annotation))
+                                                  for field in Recipe.model_fields.values()))
 
 
 def _section_keys(tp: Any) -> dict[str, FieldInfo]:

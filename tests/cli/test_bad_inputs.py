@@ -483,6 +483,33 @@ def test_a_prompt_in_two_rows_with_different_columns_is_refused_before_training(
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_verls_per_row_compute_score_is_refused_in_the_same_words_by_validate_and_train(stub_models, tmp_path,
+                                                                                      monkeypatch, command):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) on rows with a ground_truth column:
+    validate reads it from the source, train from the imported function; the run would have passed it the lists."""
+    import ppo_cli.commands.train as train
+
+    monkeypatch.setattr(train, "_run_processes", lambda *a, **k: pytest.fail("the models were loaded"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path, stub_models)
+    prompts = env.file("train.jsonl", '{"prompt": "What is 1+1?", "data_source": "gsm8k", "ground_truth": "2"}\n')
+    source = "def reward(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    result = runner.invoke(app, [command, env.recipe(_edit("data.prompts", prompts))] + _reward_function(env, source))
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.splitlines() == [
+        f"error: reward function '{tmp_path}/fn.py:reward' names its parameters data_source and solution_str as verl's "
+        "per-row compute_score(data_source, solution_str, ground_truth, extra_info) does: ppo calls reward functions "
+        "batched, f(prompts, responses, **columns) -> list, so data_source would get the list of prompts and "
+        "solution_str the list of responses",
+        f"hint: add this wrapper to {tmp_path}/fn.py and name it in the recipe (function: {tmp_path}/fn.py:reward_batched):",
+        "    def reward_batched(prompts, responses, ground_truth, data_source=None, extra_info=None):",
+        "        rows = zip(data_source or [None] * len(responses), responses, ground_truth, extra_info or [None] * len(responses))",
+        "        return [reward(d, r, g, e) for d, r, g, e in rows]",
+    ]
+
+
 def test_output_dir_set_to_a_run_directory_is_refused_before_loading(stub_models, tmp_path, monkeypatch):
     """output_dir: runs/NAME would train a second run at runs/NAME/NAME; the line says where to point it."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

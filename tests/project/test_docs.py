@@ -203,6 +203,23 @@ def test_the_critic_kinds_and_estimators_are_the_recipe_schemas():
     assert sorted(name.strip() for name in re.sub(r"\(.*?\)", "", comment).split("|")) == sorted(estimators)
 
 
+def test_the_verl_and_openrlhf_table_names_what_the_hints_know():
+    """Each name in docs/estimators.md's verl and OpenRLHF columns is one ppo_cli/foreign_names.py points
+    to a recipe key (a verl name may be written by its last parts), or a recipe key of the same name."""
+    from ppo_cli.foreign_names import OPENRLHF_KEYS, VERL_KEYS
+    from ppo_cli.recipe_loading import _recipe_keys
+
+    text = (ROOT / "docs/estimators.md").read_text()
+    section = text.partition("## Coming from verl or OpenRLHF")[2].partition("\n## ")[0]
+    rows = [line.strip("|").split("|")[:2] for line in section.splitlines() if line.startswith("|")]
+    verl_names = {tail for name in VERL_KEYS for tail in (name, *(".".join(name.split(".")[-n:]) for n in (1, 2)))}
+    unknown = [name for verl, openrlhf in rows[2:] for name, known in
+               [*((n, verl_names) for n in re.findall(r"`([\w.]+)`", verl)),
+                *((n, set(OPENRLHF_KEYS) | _recipe_keys()) for n in re.findall(r"`([\w.]+)`", openrlhf))]
+               if name not in known]
+    assert len(rows) == 25 and unknown == []
+
+
 def _leaves(value, prefix=""):
     if isinstance(value, dict):
         for key, item in value.items():

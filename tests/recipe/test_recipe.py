@@ -543,6 +543,68 @@ def test_a_trl_name_or_a_key_in_the_wrong_section_is_pointed_to_its_recipe_key(t
     assert err.hint.startswith(hint + ";"), err.hint
 
 
+@pytest.mark.parametrize("text, message, hint", [
+    ("data:\n  train_batch_size: 64\n", "data.train_batch_size: unknown key 'train_batch_size' in data",
+     "verl's data.train_batch_size is ppo.rollout_batch_size (prompts per update and process; verl's counts all GPUs) here"),
+    ("actor_rollout_ref:\n  rollout:\n    n: 8\n", "actor_rollout_ref: unknown key 'actor_rollout_ref'",
+     "verl's actor_rollout_ref.rollout.n is generation.num_generations here"),
+    ("algorithm:\n  kl_ctrl:\n    type: fixed\n    kl_coef: 0.001\n", "algorithm: unknown key 'algorithm'",
+     "verl's algorithm.kl_ctrl.kl_coef is ppo.kl_coef here"),  # the deepest name written under it
+    ("ppo:\n  n_samples_per_prompt: 4\n", "ppo.n_samples_per_prompt: unknown key 'n_samples_per_prompt' in ppo",
+     "OpenRLHF's n_samples_per_prompt is generation.num_generations here"),
+    ("ppo:\n  beta: 0.04\n", "ppo.beta: unknown key 'beta' in ppo", "TRL's beta is ppo.kl_coef here"),  # TRL's still
+    ("ppo:\n  advantage: group_norm\n", "ppo.advantage: invalid value 'group_norm'", "for group_norm write advantage: grpo"),
+    ("ppo:\n  advantage: reinforce_plus_plus_baseline\n", "ppo.advantage: invalid value 'reinforce_plus_plus_baseline'",
+     "for reinforce_plus_plus_baseline write advantage: reinforce_pp with generation.num_generations >= 2 (the group "
+     "mean is subtracted first)"),
+])
+def test_a_verl_or_openrlhf_name_is_pointed_to_its_recipe_key(tmp_path, text, message, hint):
+    section = text.partition("\n")[0] + "\n"
+    recipe = BASE.replace(section, text) if section in BASE else BASE + text
+    err = error(write(tmp_path, recipe))
+    assert err.message.endswith(message), err.message
+    assert err.hint.startswith(hint + ";"), err.hint
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("data.train_batch_size=64",
+     "verl's data.train_batch_size is ppo.rollout_batch_size (prompts per update and process; verl's counts all GPUs) here"),
+    # verl's and OpenRLHF's train_batch_size are not the same thing: both, not "did you mean 'mini_batch_size'?"
+    ("ppo.train_batch_size=8",
+     "verl's data.train_batch_size is ppo.rollout_batch_size (prompts per update and process; verl's counts all GPUs) here; "
+     "OpenRLHF's train_batch_size is ppo.mini_batch_size (completions per optimizer step and process; OpenRLHF's counts "
+     "all GPUs) here"),
+    ("actor_rollout_ref.rollout.n=8", "verl's actor_rollout_ref.rollout.n is generation.num_generations here"),
+    ("ppo.n=8", "verl's actor_rollout_ref.rollout.n is generation.num_generations here"),
+    ("algorithm.kl_ctrl.kl_coef=0.001", "verl's algorithm.kl_ctrl.kl_coef is ppo.kl_coef here"),
+    ("algorithm.kl_ctrl.type=fixed", "verl's algorithm.kl_ctrl is ppo.kl_coef (type fixed) and ppo.adaptive_kl (type adaptive) here"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=16",
+     "verl's actor_rollout_ref.actor.ppo_mini_batch_size is ppo.mini_batch_size (completions per optimizer step and "
+     "process; verl's counts prompts: times rollout.n, over the processes) here"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+     "verl's actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is ppo.micro_batch_size (completions per forward) here"),
+    ("data.max_response_length=512", "verl's data.max_response_length is generation.max_new_tokens here"),
+    ("data.max_prompt_length=512",  # verl's path, not TRL's flat max_prompt_length
+     "verl's data.max_prompt_length is data.max_prompt_tokens (a longer prompt loses its first tokens, not its row) here"),
+    ("algorithm.adv_estimator=grpo", "verl's algorithm.adv_estimator is ppo.advantage (gae, grpo, rloo or reinforce_pp) here"),
+    ("trainer.total_training_steps=100", "verl's trainer.total_training_steps is train.total_updates here"),
+    ("trainer.total_epochs=3", "verl's trainer.total_epochs is train.total_updates (updates, not passes over the prompts) here"),
+    ("actor_rollout_ref.rollout.temperature=0.7", "verl's actor_rollout_ref.rollout.temperature is generation.temperature here"),
+    ("ppo.temperature=0.7", "temperature is a key of generation: write generation.temperature"),  # ours, misplaced
+    ("ppo.micro_train_batch_size=2", "OpenRLHF's micro_train_batch_size is ppo.micro_batch_size (completions per forward) here"),
+    ("ppo.init_kl_coef=0.01", "OpenRLHF's init_kl_coef is ppo.kl_coef here"),
+    ("data.input_key=question", "OpenRLHF's input_key is data.field here"),
+    ("data.apply_chat_template=true", "OpenRLHF's apply_chat_template is data.chat_template here"),
+    ("data.prompt_max_len=256", "OpenRLHF's prompt_max_len is data.max_prompt_tokens here"),
+    ("generation.generate_max_len=256", "OpenRLHF's generate_max_len is generation.max_new_tokens here"),
+    ("optim.actor_learning_rate=1e-6", "OpenRLHF's actor_learning_rate is optim.lr here"),
+])
+def test_set_of_a_verl_or_openrlhf_name_points_to_its_recipe_key(tmp_path, override, hint):
+    err = error(write(tmp_path, BASE), [override])
+    assert err.message.startswith(f"--set {override}: unknown key"), err.message
+    assert err.hint == hint
+
+
 def test_set_of_a_trl_name_points_to_its_recipe_key(tmp_path):
     err = error(write(tmp_path, BASE), ["optim.learning_rate=1e-6"])
     assert err.hint == "TRL's learning_rate is optim.lr here"

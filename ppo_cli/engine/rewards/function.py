@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ppo_cli.engine.rewards.function_columns import (NOT_PASSED, accepted_columns, called_like_trl, columns_required,
-                                                     columns_taken, declared_parameters, missing_columns_error, required_columns,
-                                                     signature_parameters, unpassed_arguments_error)
+                                                     columns_taken, declared_parameters, declared_positional, is_trl_style,
+                                                     missing_columns_error, per_row_error, positional_parameters,
+                                                     required_columns, signature_parameters, unpassed_arguments_error)
 from ppo_cli.engine.data import ambiguous_prompt
 from ppo_cli.engine.user_code import import_named
 from ppo_cli.errors import RewardFunctionError, RewardFunctionFailed
@@ -70,21 +71,13 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
     (``rows``: (source, its PromptSet) pairs) lack; ``given``: the columns every row gets besides (an episode's
     ``messages``). The signature is the imported function's (``import_functions``: train) or its file's
     source (validate: read, not run); one the source does not say (a module, an assigned name) is checked
-    when scoring."""
-    target, _, name = component.function.rpartition(":")
-    if import_functions:
-        fn = load_reward_function(component.function)
-        required, taken = required_columns(fn), accepted_columns(fn)
-        reads = taken is None or bool(taken)
-    else:
-        parameters = declared_parameters(Path(target), name) if target.endswith(".py") else None
-        required, reads = None, False
-        if parameters is not None:  # what load_reward_function refuses at train, from the source
-            error = unpassed_arguments_error(component.function, parameters)
-            if error is not None:
-                raise error
-            required = columns_required(parameters)
-            reads = bool(columns_taken(parameters))
+    when scoring. A function written per row (verl's compute_score) is refused first: the column it seems
+    to lack (ground_truth) is not what is wrong with it."""
+    required, reads, positional = _what_it_takes(component, import_functions)
+    for _, prompt_set in rows:
+        error = per_row_error(component.function, positional, prompt_set.column_names | given)
+        if error is not None:
+            raise error
     if reads:  # its rows' columns are found by the prompt (engine/data.PromptColumns): refused now, not mid-run
         ambiguous = ambiguous_prompt(rows)
         if ambiguous is not None:
@@ -97,6 +90,25 @@ def check_columns(component: FunctionReward, rows: list[tuple[str, PromptSet]], 
         if missing:
             fields = names | ({prompt_set.column} if prompt_set.column else set())
             raise missing_columns_error(component.function, missing, f"the rows of {source}", fields)
+
+
+def _what_it_takes(component: FunctionReward, import_functions: bool) -> tuple[set[str] | None, bool, list[str]]:
+    """The columns the function cannot do without (None: the source does not say), whether it reads any, and
+    its positional parameters ([] for one called by keyword, like TRL's): from the imported function
+    (``import_functions``) or its file's source."""
+    if import_functions:
+        fn = load_reward_function(component.function)
+        taken = accepted_columns(fn)
+        return required_columns(fn), taken is None or bool(taken), [] if called_like_trl(fn) else positional_parameters(fn)
+    target, _, name = component.function.rpartition(":")
+    parameters = declared_parameters(Path(target), name) if target.endswith(".py") else None
+    if parameters is None:
+        return None, False, []
+    error = unpassed_arguments_error(component.function, parameters)  # what load_reward_function refuses at train
+    if error is not None:
+        raise error
+    positional = [] if is_trl_style(parameter for parameter, _ in parameters) else declared_positional(Path(target), name)
+    return columns_required(parameters), bool(columns_taken(parameters)), positional
 
 
 def display_name(component: FunctionReward) -> str:
@@ -151,6 +163,9 @@ class FunctionScorer:
 
     def check_columns(self, names: set[str], rows: str, fields: set[str] | None = None) -> None:
         """``names``: the columns the rows have; ``fields``: what they show (with the prompt column), if known."""
+        per_row = None if self.like_trl else per_row_error(self.spec, positional_parameters(self.fn), names)
+        if per_row is not None:
+            raise per_row
         missing = sorted(required_columns(self.fn) - names)
         if missing:
             raise missing_columns_error(self.spec, missing, rows, names if fields is None else fields)

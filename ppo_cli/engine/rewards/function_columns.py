@@ -6,7 +6,9 @@ One rule (``columns_required``) over a function's parameters, read from the impo
 columns are its parameters after the first two; a TRL-style function, one with a ``completions``
 parameter, is given everything by keyword, so its columns are its parameters but TRL's own names.
 Only parameters without a default count, never ``*args`` / ``**kwargs``. ``accepted_columns``: the
-columns a function is given, by the same rule.
+columns a function is given, by the same rule. ``per_row_error``: a function whose first or second
+parameter is named like a row's value (verl's per-row ``compute_score(data_source, solution_str, ...)``),
+which the lists of prompts and responses would reach.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from ppo_cli.errors import RewardFunctionError
 # What TRL passes its reward functions besides the dataset's columns (trl GRPOTrainer._calculate_rewards),
 # and ppo_cli's own name for the completions' text; ppo_cli passes all but NOT_PASSED.
 TRL_ARGUMENTS = frozenset({"prompts", "completions", "responses", "completion_ids", "trainer_state"})
+# verl's per-row reward function, compute_score(data_source, solution_str, ground_truth, extra_info=None)
+# (verl/utils/reward_score): one of these names first or second says a function takes one row's values.
+VERL_ROW_NAMES = frozenset({"data_source", "solution_str", "ground_truth", "extra_info"})
+VERL_FIRST_NAMES = frozenset({"data_source", "solution_str"})  # its first two: the hint wraps a verl function
 # TRL's GRPOTrainer passes these too: the token ids, its TrainerState, and (TRL 1.16) two logging callbacks.
 NOT_PASSED = frozenset({"completion_ids", "trainer_state", "log_metric", "log_extra"})
 
@@ -84,10 +90,28 @@ def declared_parameters(path: Path, name: str) -> list[tuple[str, bool]] | None:
     does not say: the file does not parse, or ``name`` is last bound at its top level by something other
     than an undecorated ``def`` (an assignment, an import, a decorator that may change the signature).
     Scoring checks those."""
+    function = _declared_function(path, name)
+    return None if function is None else _parameters(function.args)
+
+
+def declared_positional(path: Path, name: str) -> list[str] | None:
+    """The positional parameters of the function ``name`` of the file ``path``, read as declared_parameters
+    reads them."""
+    function = _declared_function(path, name)
+    return None if function is None else [arg.arg for arg in function.args.posonlyargs + function.args.args]
+
+
+def positional_parameters(fn: Callable) -> list[str]:
+    """The imported function ``fn``'s positional parameters, in order."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in positional]
+
+
+def _declared_function(path: Path, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     function = last_binding(path, name)
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.decorator_list:
         return None
-    return _parameters(function.args)
+    return function
 
 
 def declared_columns(path: Path, name: str) -> set[str] | None:
@@ -132,3 +156,40 @@ def missing_columns_error(spec: str, missing: list[str], rows: str, fields: set[
         f"(they have: {', '.join(sorted(fields)) or 'none'})",
         hint=hint,
     )
+
+
+def per_row_error(spec: str, positional: list[str], columns: set[str]) -> RewardFunctionError | None:
+    """A function written per row, its first or second positional parameter named like one row's value:
+    verl's compute_score(data_source, solution_str, ground_truth, extra_info), or a column of the rows
+    (``columns``). ppo passes the lists of prompts and responses there, so it would fail inside its own
+    code, or score the wrong text. The same line from the imported function (train) and its source (validate)."""
+    named = [(parameter, given) for parameter, given in zip(positional, ("prompts", "responses"))
+             if parameter in columns or parameter in VERL_ROW_NAMES]
+    if not named:
+        return None
+    target, _, name = spec.rpartition(":")
+    listed = " and ".join(parameter for parameter, _ in named)
+    gets = " and ".join(f"{parameter} would get the list of {given}" if index == 0 else f"{parameter} the list of {given}"
+                        for index, (parameter, given) in enumerate(named))
+    if set(positional[:2]) & VERL_FIRST_NAMES:
+        like, hint = "as verl's per-row compute_score(data_source, solution_str, ground_truth, extra_info) does", \
+            _verl_wrapper(target, name, columns)
+    else:
+        like = "like a column" if len(named) == 1 else "like columns"
+        hint = ("take the lists and return one value per response, in order: "
+                f"def {name}(prompts, responses, {', '.join(p for p, _ in named)}, **columns) -> list[float]")
+    return RewardFunctionError(
+        f"reward function '{spec}' names its parameter{'s' * (len(named) > 1)} {listed} {like}: "
+        f"ppo calls reward functions batched, f(prompts, responses, **columns) -> list, so {gets}",
+        hint=hint)
+
+
+def _verl_wrapper(target: str, name: str, columns: set[str]) -> str:
+    """Three lines that call verl's per-row ``name`` once per response: the row's ground truth from a
+    ``ground_truth`` column, else from verl's ``reward_model`` struct (its parquet files' layout)."""
+    column, truth = ("ground_truth", "g") if "ground_truth" in columns else ("reward_model", 'g["ground_truth"]')
+    batched = f"{name}_batched"
+    return (f"add this wrapper to {target} and name it in the recipe (function: {target}:{batched}):\n"
+            f"    def {batched}(prompts, responses, {column}, data_source=None, extra_info=None):\n"
+            f"        rows = zip(data_source or [None] * len(responses), responses, {column}, extra_info or [None] * len(responses))\n"
+            f"        return [{name}(d, r, {truth}, e) for d, r, g, e in rows]")
