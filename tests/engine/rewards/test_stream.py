@@ -103,7 +103,7 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     from tests.fixtures.reward_servers import _short_positive
 
     server.delay_s = 0.05
-    component = {"type": "http", "url": server.score_url, "batch_size": 2, "timeout_s": 5, "retries": 0}
+    component = {"type": "http", "url": server.score_url, "batch_size": 1, "timeout_s": 5, "retries": 0}
     sets = {"ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
             "generation.max_new_tokens": 24, "reward.components": f"[{component}]".replace("'", "")}
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
