@@ -432,6 +432,13 @@ def test_validate_reads_the_reward_file_for_the_function_name_without_running_it
     with pytest.raises(RewardFunctionError) as err:
         _check_defines(path, "rewrd")
     assert (str(err.value), err.value.hint) == (f"'{path}' has no function 'rewrd'", "did you mean 'reward'?")
+    # no close name: the file's functions are listed (verl's compute_score named as `score`), not its constants
+    path.write_text("LIMIT = 3\n\ndef compute_score(data_source, solution_str, ground_truth):\n    return 0.0\n\n"
+                    "async def helper(x):\n    return x\n")
+    with pytest.raises(RewardFunctionError) as err:
+        _check_defines(path, "grade")
+    assert err.value.hint == ("it defines compute_score, helper: name one of them, or "
+                              "define def grade(prompts, responses) -> list[float]")
 
 
 def test_train_refuses_a_reward_column_the_prompt_rows_lack_before_loading_a_model(stub_models, tmp_path, monkeypatch):

@@ -53,15 +53,19 @@ def check(component: FunctionReward, contact_servers: bool = True, import_functi
 
 
 def check_defines(path: Path, name: str) -> None:
+    import ast
     import difflib
 
-    from ppo_cli.engine.user_code import defined_names
+    from ppo_cli.engine.user_code import defined_names, last_binding
 
     defined = defined_names(path, RewardFunctionError,
                             f"fix the reward function's file; python -m py_compile {path} shows the error in full")
     if defined is not None and name not in defined:
         close = difflib.get_close_matches(name, sorted(defined), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"define def {name}(prompts, responses) -> list[float]"
+        define = f"define def {name}(prompts, responses) -> list[float]"
+        functions = [n for n in sorted(defined) if isinstance(last_binding(path, n), (ast.FunctionDef, ast.AsyncFunctionDef))]
+        hint = (f"did you mean '{close[0]}'?" if close else
+                f"it defines {', '.join(functions)}: name one of them, or {define}" if functions else define)
         raise RewardFunctionError(f"'{path}' has no function '{name}'", hint=hint)
 
 
