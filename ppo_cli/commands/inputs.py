@@ -52,10 +52,10 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
         if RunDir(loaded.run_dir).is_run():  # base / aligned of the run --recipe names, where it has run
             run = loaded.run_dir
     models = [resolve_model_reference(ref, run, output_root=root) for ref in refs]
-    check_policy_override(sets, models)
     if loaded is None:
         recipe_path = recipe_for_models(models, run, output_root=root)
         loaded = load_recipe(recipe_path, sets)
+    check_policy_override(sets, loaded.policy.path, models)
     note(f"recipe: {recipe_path}")
     for model in models:
         note(f"model: {model.describe()}")
@@ -65,12 +65,13 @@ def recipe_and_models(refs, run, recipe_path, overrides, max_new_tokens=None, te
     return loaded, models
 
 
-def check_policy_override(sets: list[str], models) -> None:
-    """--set policy.path names a model, but `base` and `aligned` are a run's, which it cannot change:
-    refused in one line rather than sampling the run's model while the user thinks it is theirs."""
-    override = next((item.partition("=")[2].strip() for item in reversed(sets)
-                     if item.partition("=")[0].strip() == "policy.path"), None)
-    if override is None:
+def check_policy_override(sets: list[str], override: str, models) -> None:
+    """--set policy.path (``override``, as the loaded recipe has it) names a model, but `base` and `aligned`
+    are a run's, which it cannot change: refused in one line rather than sampling the run's model while
+    the user thinks it is theirs. ``sets``: the --set items, already checked by load_recipe."""
+    from ppo_cli.recipe_loading import _parse_override
+
+    if not any(_parse_override(item)[0] == ["policy", "path"] for item in sets):
         return
     for model in models:
         if model.kind in ("base", "aligned") and Path(model.base_path).resolve() != Path(override).resolve():
@@ -127,9 +128,11 @@ def cut_prompts_notes(recipe, models, prompts: list, note: Callable[[str], None]
     from ppo_cli.engine.models import load_tokenizer
     from ppo_cli.errors import PpoError
 
+    if recipe.environment is not None:  # an episode's prompts are the environment's, not these
+        return
     said = set()
     for model in models:
-        if recipe.environment is not None or model.tokenizer_path in said:
+        if model.tokenizer_path in said:
             continue
         said.add(model.tokenizer_path)
         pol = recipe.policy
