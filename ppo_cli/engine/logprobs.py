@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ppo_cli.algo.losses import entropy_from_logits
 from ppo_cli.engine.models import unwrap_causal_lm
+from ppo_cli.engine.shared_prompts import model_mask, shared_layout
 
 # Logits per chunk (positions x vocabulary): 32 MiB of float32, 170 positions at SmolLM2's 49,152
 # tokens, 55 at Qwen2.5's 151,936. The softmax and entropy temporaries are a few times that.
@@ -157,19 +158,27 @@ def logprob_path(model: nn.Module) -> str:
 def response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     response_len: int) -> torch.Tensor:
     """The decoder's last hidden states (B, T, H) at the positions predicting the response, from the
-    model's own forward (peft's, the hooks of a distributed wrapper) asked for one position's logits."""
+    model's own forward (peft's, the hooks of a distributed wrapper) asked for one position's logits;
+    rows that share a prompt run it once (engine/shared_prompts.py), where the model and the cost allow."""
     lm = unwrap_causal_lm(model)
     captured: list[torch.Tensor] = []
     handle = lm.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out[0]))
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask.long(),
-                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    shared = shared_layout(model, input_ids, attention_mask, response_len)
+    if shared is None:
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask.long(),
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    else:  # each distinct prompt once for its completions (engine/shared_prompts.py)
+        kwargs = dict(input_ids=shared.input_ids, attention_mask=model_mask(model, shared.attention_mask),
+                      position_ids=shared.position_ids, use_cache=False)
     if _accepts_logits_to_keep(type(lm)):
         kwargs["logits_to_keep"] = 1
     try:
         model(**kwargs)
     finally:
         handle.remove()
-    return response_slice(captured[0], response_len)
+    if shared is None:
+        return response_slice(captured[0], response_len)
+    return captured[0][shared.rows[:, None], shared.predicting]
 
 
 def _chunk_logprobs(hidden: torch.Tensor, index: torch.Tensor, head: nn.Module, step, temperature: float,

@@ -1,0 +1,159 @@
+"""One forward per distinct prompt: the completions of a prompt share its positions.
+
+GRPO, RLOO and every group estimator sample G completions of each prompt, and the rollout's, the
+reference's and the update's forwards would run each prompt G times. Here the rows of a batch whose
+prompt columns are the same (the same ids and padding) are packed instead, ``k`` completions to a row,
+
+    [prompt | response 1 | ... | response k]       (R packed rows of width W = P + k * T)
+
+under a 4D attention mask in which response j sees the prompt's real tokens and its own earlier tokens
+only, and every token keeps the position id it had in its own row (position_ids_from_mask). Each real
+token attends to exactly the keys, at exactly the positions, it did in the plain batch: the hidden
+states are those of the plain forward up to float rounding (other matmul shapes), and so are their
+gradients (tests/engine/test_shared_prompts.py, on the architecture matrix). Prefix Grouper (Liu et
+al., 2025) shares a GRPO group's prefix the same way.
+
+A packed row's attention costs W^2 query-key pairs where the plain batch costs (P + T)^2 per row:
+``completions_per_row`` weighs the linear layers' work per token against attention's per pair and
+keeps the plain batch where sharing would not pay (long responses, one completion per prompt).
+
+Shapes: B rows of L = P + T tokens (left-padded prompt of P, right-padded response of T), R packed
+rows of W tokens, H hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ppo_cli.engine.models import unwrap_causal_lm
+
+# transformers' own classes whose forward takes a prepared 4D mask as is and its position_ids from the
+# caller (transformers 5.24, masking_utils._preprocess_mask_arguments): each is checked against its plain
+# forward by tests/engine/test_shared_prompts.py. A class not listed runs the plain batch.
+SHARING_CLASSES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM",
+    "OPTForCausalLM", "GraniteForCausalLM", "CohereForCausalLM", "Olmo2ForCausalLM",
+})
+# The mask each attention implementation reads: sdpa a boolean one (True attends), eager an additive one.
+MASK_KINDS = ("sdpa", "eager")
+ENABLED = True  # benchmarks/bench_shared_prompts.py switches it off for its A/B
+
+
+class SharedPrompts(NamedTuple):
+    """A packed batch, and where each original row's response positions are in it."""
+
+    input_ids: torch.Tensor  # (R, W)
+    attention_mask: torch.Tensor  # (R, 1, W, W) bool: query attends key
+    position_ids: torch.Tensor  # (R, W): each token's position in its own row
+    rows: torch.Tensor  # (B,) the packed row of each original row
+    predicting: torch.Tensor  # (B, T) the packed column whose hidden state predicts each response token
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(B,) group index of each row: rows with the same prompt ids and padding share one."""
+    real = attention_mask[:, :prompt_len].long()
+    key = torch.cat([input_ids[:, :prompt_len] * real, real], dim=1)
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
+def rank_in_group(groups: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B,): 0, 1, 2, ... for the rows of each group, in row order."""
+    order = torch.sort(groups, stable=True).indices
+    in_order = groups[order]
+    first = torch.searchsorted(in_order, in_order)  # each row's group starts here in sorted order
+    rank = torch.empty_like(groups)
+    rank[order] = torch.arange(groups.numel(), device=groups.device) - first
+    return rank
+
+
+def completions_per_row(group_sizes: list[int], prompt_len: int, response_len: int, token_cost: float,
+                        pair_cost: float) -> int:
+    """k (1 = the plain batch) minimising sum over packed rows of W * token_cost + W^2 * pair_cost, with
+    W = prompt_len + k * response_len; a group of n rows takes ceil(n / k) packed rows."""
+    def cost(k: int) -> float:
+        width = prompt_len + min(k, max(group_sizes)) * response_len
+        rows = sum(math.ceil(n / k) for n in group_sizes)
+        return rows * (width * token_cost + width * width * pair_cost)
+
+    return min(range(1, max(group_sizes) + 1), key=lambda k: (cost(k), k))
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, groups: torch.Tensor,
+         per_row: int) -> SharedPrompts:
+    """The packed batch of (B, L) rows grouped by ``groups``, ``per_row`` completions to a packed row."""
+    B, L = input_ids.shape
+    T, P, device = response_len, L - response_len, input_ids.device
+    rank = rank_in_group(groups)
+    slot = rank % per_row  # the response's place in its packed row
+    rows = torch.unique(groups * B + rank // per_row, return_inverse=True)[1]
+    R, W = int(rows.max()) + 1, P + (int(slot.max()) + 1) * T
+
+    real = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # position_ids_from_mask
+    packed_ids = torch.zeros(R, W, dtype=input_ids.dtype, device=device)
+    packed_real = torch.zeros(R, W, dtype=torch.bool, device=device)
+    packed_positions = torch.zeros(R, W, dtype=torch.long, device=device)
+    segment = torch.zeros(R, W, dtype=torch.long, device=device)  # 0 the prompt, j the j-th response
+    # A group's rows have the same prompt columns: each writes them, identically.
+    packed_ids[rows, :P], packed_real[rows, :P], packed_positions[rows, :P] = input_ids[:, :P], real[:, :P], positions[:, :P]
+    columns = P + slot[:, None] * T + torch.arange(T, device=device)  # (B, T)
+    at = (rows[:, None].expand(B, T), columns)
+    packed_ids[at], packed_real[at], packed_positions[at] = input_ids[:, P:], real[:, P:], positions[:, P:]
+    segment[at] = (slot + 1)[:, None].expand(B, T)
+
+    index = torch.arange(W, device=device)
+    causal = index[None, :] <= index[:, None]  # (W query, W key)
+    same_or_prompt = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])
+    mask = causal[None] & packed_real[:, None, :] & same_or_prompt
+    # A padding position attends itself: no query row is all masked (softmax of nothing is NaN, and a NaN
+    # there would reach the real positions' gradients through 0 * NaN); no real token ever reads it.
+    mask |= torch.eye(W, dtype=torch.bool, device=device)
+    # Response token t is predicted at the column before it: the prompt's last for t = 0.
+    predicting = torch.cat([torch.full((B, 1), P - 1, device=device), columns[:, :-1]], dim=1)
+    return SharedPrompts(packed_ids, mask[:, None], packed_positions, rows, predicting)
+
+
+def sharing_model(model: nn.Module) -> bool:
+    """Whether the model's forward takes a packed batch (its class read, a mask kind it reads)."""
+    lm = unwrap_causal_lm(model)
+    cls = type(lm)
+    return (ENABLED and cls.__name__ in SHARING_CLASSES and cls.__module__.startswith("transformers.models.")
+            and getattr(lm.config, "_attn_implementation", None) in MASK_KINDS)
+
+
+def shared_layout(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  response_len: int) -> SharedPrompts | None:
+    """The packed batch where the model takes one and sharing pays (``completions_per_row``), else None."""
+    if not sharing_model(model):
+        return None
+    B, L = input_ids.shape
+    P = L - response_len
+    config = unwrap_causal_lm(model).config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if window is not None and L > window:  # a 4D mask replaces the window, which would then apply
+        return None
+    groups = prompt_groups(input_ids, attention_mask, P)
+    sizes = torch.bincount(groups).tolist()
+    if max(sizes) == 1:
+        return None
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    # Per token: the attention projections and a gated MLP (multiply-adds); per query-key pair: the
+    # scores and the weighted values over every head.
+    per_row = completions_per_row(sizes, P, response_len, 4 * hidden * hidden + 3 * hidden * intermediate, 2 * hidden)
+    return None if per_row == 1 else pack(input_ids, attention_mask, response_len, groups, per_row)
+
+
+def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """The packed boolean mask as the model's attention reads it: eager adds 0 or the dtype's minimum."""
+    lm = unwrap_causal_lm(model)
+    if lm.config._attn_implementation == "sdpa":
+        return mask
+    dtype = lm.get_input_embeddings().weight.dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
