@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ppo_cli.engine.models import unwrap_causal_lm
+from ppo_cli.engine.shared_prompts import CACHE_ARGUMENT, shared_prefill
 from ppo_cli.errors import RecipeError
 from ppo_cli.recipe import GenerationConfig
 from ppo_cli.types import Generation
@@ -187,9 +188,10 @@ def finished_rows_watcher(prompt_width: int, stop_token_id: int, on_finished: On
 # no_grad, not inference_mode: inference tensors could not be fed to the update's autograd later.
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_id: int, pad_token_id: int,
-             on_finished: OnFinished | None = None) -> Generation:
+             on_finished: OnFinished | None = None, share_prompts: bool = True) -> Generation:
     """Sample one response per prompt row. The global torch RNG drives sampling (seed it first).
     ``on_finished``: told of each row as soon as its stop token is sampled (finished_rows_watcher).
+    ``share_prompts``: rows with the same prompt prefill it once (shared_prompts.shared_prefill).
 
     A collective only inside Distributed.rollout_parameters under FSDP per_block, which marks the
     model: each block all-gathers in its forward, so every process decodes in step until all have
@@ -205,6 +207,10 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
 
         extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
     with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model):
+        if share_prompts and not in_step:  # a per-block gather decodes in step: every process the same calls
+            cache = shared_prefill(model, prompt_ids, prompt_mask)
+            if cache is not None:
+                extra[CACHE_ARGUMENT] = cache
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
                              logits_processor=sampling_processors(gen), synced_gpus=in_step, **extra)
     raw_response = out[:, prompt_ids.shape[1]:]
@@ -269,7 +275,9 @@ def generate_with_logprobs(model, prompt_ids, prompt_mask, gen: GenerationConfig
     if keep_hidden:
         handles.append(lm.get_decoder().register_forward_hook(lambda module, args, out: hidden_steps.append(out[0][:, -1])))
     try:
-        generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id, on_finished)
+        # no shared prefill: its decoder call would reach the hidden-state hook as a step
+        generation = generate(model, prompt_ids, prompt_mask, gen, stop_token_id, pad_token_id, on_finished,
+                              share_prompts=False)
     finally:
         for handle in handles:
             handle.remove()

@@ -44,6 +44,18 @@ MASK_KINDS = ("sdpa", "eager")
 ENABLED = True  # benchmarks/bench_shared_prompts.py switches it off for its A/B
 
 
+def _cache_argument() -> str:
+    """The name forward() and generate() take a prepared KV cache by: ``cache`` in transformers 5.24 (the
+    version read; ``past_key_values`` warns there and leaves by 6), ``past_key_values`` before it."""
+    import transformers
+    from packaging.version import Version
+
+    return "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+
+
+CACHE_ARGUMENT = _cache_argument()
+
+
 class SharedPrompts(NamedTuple):
     """A packed batch, and where each original row's response positions are in it."""
 
@@ -157,3 +169,31 @@ def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     dtype = lm.get_input_embeddings().weight.dtype
     dtype = dtype if dtype.is_floating_point else torch.float32
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+@torch.no_grad()
+def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """A KV cache of every row's prompt but its last token, (B, P - 1), computed once per distinct prompt
+    and repeated over its rows, for ``generate(past_key_values=...)``, whose first step then runs the
+    last prompt token of every row; None where no prompt repeats or the model is not listed.
+
+    Only the decoder runs (the cache is all generate needs), so hooks on the causal LM see no extra call.
+    """
+    if not sharing_model(model) or prompt_ids.shape[1] < 2:
+        return None
+    groups = prompt_groups(prompt_ids, prompt_mask, prompt_ids.shape[1])
+    distinct = int(groups.max()) + 1
+    if distinct == prompt_ids.shape[0]:
+        return None
+    from transformers import DynamicCache
+
+    lm = unwrap_causal_lm(model)
+    first = torch.empty(distinct, dtype=torch.long, device=groups.device)
+    first[groups] = torch.arange(groups.numel(), device=groups.device)  # a row of each group (any: the same prompt)
+    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1].long()
+    cache = DynamicCache(config=lm.config)
+    lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                     use_cache=True, **{CACHE_ARGUMENT: cache})
+    cache.reorder_cache(groups)
+    return cache
+

@@ -207,3 +207,25 @@ def test_a_grpo_update_has_the_plain_batchs_gradient_and_reference(tiny_models, 
     assert moved and all(shared[name].norm() == 0 for name in plain.keys() - moved)
     for name in moved:
         assert ((shared[name] - plain[name]).norm() / plain[name].norm()).item() <= GRADIENT_PARITY, name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens(architecture_models, family):
+    from transformers import AutoModelForCausalLM
+
+    from ppo_cli.engine.generate import generate
+    from ppo_cli.engine.shared_prompts import shared_prefill
+    from ppo_cli.recipe import GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32).eval()
+    ids, mask, T = _grouped_batch(model.get_output_embeddings().weight.shape[0])
+    prompt_ids, prompt_mask = ids[:, :-T], mask[:, :-T]
+    cache = shared_prefill(model, prompt_ids, prompt_mask)
+    assert cache is not None and cache.get_seq_length() == prompt_ids.shape[1] - 1
+    gen = GenerationConfig(max_new_tokens=8, temperature=0.7)
+    samples = {}
+    for share in (True, False):
+        torch.manual_seed(0)
+        samples[share] = generate(model, prompt_ids, prompt_mask, gen, stop_token_id=-1, pad_token_id=0, share_prompts=share)
+    assert torch.equal(samples[True].response_ids, samples[False].response_ids)
+    assert shared_prefill(model, prompt_ids[::4], prompt_mask[::4]) is None  # no prompt repeats
