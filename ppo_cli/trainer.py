@@ -37,6 +37,7 @@ from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.envs.metrics import episode_metrics
 from ppo_cli.engine.engine import Engine
 from ppo_cli.engine.malloc import release_freed_memory
+from ppo_cli.engine.shared_prompts import prompt_groups
 from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
 from ppo_cli.recipe import PPOConfig
@@ -353,10 +354,21 @@ def optimise(state: "TrainState", rollout: Rollout, adv: Advantages) -> UpdateSt
 
 def split_micro_batches(mini_batch: torch.Tensor, rollout: Rollout, ppo: PPOConfig) -> list[torch.Tensor]:
     if ppo.micro_batch_tokens is None:
-        return list(mini_batch.split(ppo.micro_batch_size))
+        return list(prompts_together(mini_batch, rollout).split(ppo.micro_batch_size))
     gen = rollout.generation
     lengths = gen.response_mask[mini_batch].sum(dim=1)
     return token_budget_micro_batches(mini_batch, lengths, gen.prompt_ids.shape[1], ppo.micro_batch_tokens)
+
+
+def prompts_together(mini_batch: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """The mini-batch's episode indices with the completions of each prompt next to each other, so that
+    its micro-batches run each prompt once (engine/shared_prompts.py); unchanged where no prompt repeats.
+    The optimizer step's gradient is the same sum over the same episodes, however they are cut."""
+    gen = rollout.generation
+    groups = prompt_groups(gen.prompt_ids[mini_batch], gen.prompt_mask[mini_batch], gen.prompt_ids.shape[1])
+    if int(groups.max()) + 1 == len(mini_batch):
+        return mini_batch
+    return mini_batch[torch.sort(groups, stable=True).indices]
 
 
 def token_budget_micro_batches(rows: torch.Tensor, response_lengths: torch.Tensor, prompt_len: int,
