@@ -111,6 +111,7 @@ class ModelShape:
     logits_chunk: int | None = None
     module_names: tuple[str, ...] = ()  # every module of the model, as peft names them (lm_head included)
     tied_head: bool = False  # the LM head's weight is the input embedding's
+    shares_prompts: bool = False  # rows with the same prompt run it once (engine/shared_prompts.py)
 
     @property
     def linear_params(self) -> int:
@@ -180,7 +181,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
     backbone = model.base_model if kind != "backbone" else model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    logits_chunk, tied_head = None, False
+    logits_chunk, tied_head, shares_prompts = None, False, False
     if kind == "causal_lm":
         head = model.get_output_embeddings()
         tied_head = head is not None and head.weight is model.get_input_embeddings().weight
@@ -188,6 +189,9 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
 
         if logprob_path(model) == "chunked":
             logits_chunk = max(1, LOGITS_PER_CHUNK // model.get_output_embeddings().weight.shape[0])
+        from ppo_cli.engine.shared_prompts import sharing_model
+
+        shares_prompts = sharing_model(model)
     return ModelShape(
         path=path,
         total_params=sum(p.numel() for p in model.parameters()),
@@ -201,6 +205,7 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
         vocab=text.vocab_size,
         logits_chunk=logits_chunk,
         tied_head=tied_head,
+        shares_prompts=shares_prompts,
         module_names=tuple(name for name, _ in model.named_modules()),
     )
 
@@ -238,6 +243,7 @@ class Settings:
     mixed_precision: str = "no"  # train.mixed_precision resolved: bf16/fp16 autocast computes activations in 2 B
     fsdp_per_block: bool = False  # FSDP never gathers the whole policy: rollout per block, no evaluation
     entropy_bonus: bool = False  # ppo.entropy_coef > 0: the entropy's softmax is kept for the backward
+    group: int = 1  # generation.num_generations: completions per prompt, which share its forward
     cpu_heap_mapped: bool = False  # CPU: large blocks get huge pages, so a checkpointed update maps them (engine/malloc.heap_mapped)
 
 
@@ -312,15 +318,17 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     cb = 2.0 if s.mixed_precision != "no" else b[s.dtype]  # autocast: matmul outputs in half precision
     trains_weights = lora is None
     r = lora.r if lora is not None else 0
-    per_layer = activation_floats_per_token_layer(policy, trains_weights, r, L)
-    computed = B * L * policy.layers * per_layer * cb  # what the layers compute for the backward, all of them
+    rows, width, shape_how = update_rows(policy, s)  # the micro-batch as its forward runs it
+    tokens = rows * width
+    per_layer = activation_floats_per_token_layer(policy, trains_weights, r, width)
+    computed = tokens * policy.layers * per_layer * cb  # what the layers compute for the backward, all of them
     if s.gradient_checkpointing:  # layer inputs kept; one layer's activations live during its recompute
         per_token = policy.layers * policy.hidden + per_layer
-        how = f"checkpointed: {B} x {L} tokens x ({policy.layers} layer inputs + 1 layer) x {cb:g} B"
+        how = f"checkpointed: {shape_how} x ({policy.layers} layer inputs + 1 layer) x {cb:g} B"
     else:
         per_token = policy.layers * per_layer
-        how = f"{B} x {L} tokens x {policy.layers} layers x {per_layer:,.0f} values x {cb:g} B"
-    act = B * L * per_token * cb
+        how = f"{shape_how} x {policy.layers} layers x {per_layer:,.0f} values x {cb:g} B"
+    act = tokens * per_token * cb
     update = [Line("policy", "activations (update)", act / GB, how, "update")]
     if s.mixed_precision != "no" and trains_weights and b[s.dtype] > 2:
         # autocast caches the half-precision copy of each trainable weight for the forward and backward
@@ -331,8 +339,8 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         # them: a float32 copy per adapted layer (q, k and v each their own), kept for the backward
         per_layer = sum(l.in_features for l in policy.adapted(lora)) / policy.layers
         layers = 1 if s.gradient_checkpointing else policy.layers
-        update.append(Line("policy", "LoRA input casts (update)", B * L * layers * per_layer * 4 / GB,
-                           f"{B} x {L} tokens x {layers} layers x {per_layer:,.0f} adapted inputs x 4 B (float32 "
+        update.append(Line("policy", "LoRA input casts (update)", tokens * layers * per_layer * 4 / GB,
+                           f"{shape_how} x {layers} layers x {per_layer:,.0f} adapted inputs x 4 B (float32 "
                            "adapters)", "update"))
     update += critic.update
     # Alive at the backward's peak: the float32 logits and three gradients through the log-softmax; an
@@ -350,7 +358,7 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
         # on huge pages, blocks of MAPPED_BLOCK_THRESHOLD or more go back to the kernel when freed; where a
         # hidden-state block (B, L, H) is smaller, the layers' many such blocks stay in the heap and split
         # it as before (0.5B widths at 16 x 31 tokens: 1.8 MB). FSDP maps its own way (return_freed_memory).
-        hidden_block = B * L * policy.hidden * cb
+        hidden_block = tokens * policy.hidden * cb
         mapped = s.cpu_heap_mapped and s.sharding != "fsdp" and hidden_block >= MAPPED_BLOCK_THRESHOLD
         factor = CPU_HEAP_RETENTION_MAPPED if mapped else CPU_HEAP_RETENTION_CHECKPOINTED
         how = ", blocks of 2 MiB or more mapped on huge pages" if mapped else ""
@@ -624,6 +632,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         value_frozen=frozen, optimizer=recipe.optim.name,
         mixed_precision=mixed_precision,
         entropy_bonus=recipe.ppo.entropy_coef > 0,
+        group=recipe.generation.num_generations,
         cpu_heap_mapped=device == "cpu" and large_blocks_on_huge_pages(),
         # Evaluation gathers the whole policy on every process.
         fsdp_per_block=recipe.train.fsdp_rollout == "per_block" and not recipe.data.eval_prompts,
@@ -632,6 +641,26 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
             for c in recipe.reward.components if c.loads_model
         ),
     )
+
+
+def update_rows(policy: ModelShape, s: Settings) -> tuple[int, int, str]:
+    """(rows, tokens per row, how) of an update micro-batch as its forward runs it: B x (P + T), or where
+    the policy shares prompts and every mini-batch holds whole groups (the rollout in one mini-batch),
+    each prompt's completions packed behind it (engine/shared_prompts.py), k to a row as its cost model
+    chooses. trainer.prompts_together puts a group's completions in one micro-batch."""
+    B, P, T = s.micro_batch, s.prompt_tokens, s.response_tokens
+    plain = (B, P + T, f"{B} x {P + T} tokens")
+    if not policy.shares_prompts or s.group < 2 or s.token_budget or s.mini_batch < s.rollout_batch:
+        return plain
+    from ppo_cli.engine.shared_prompts import completions_per_row, pair_and_token_cost
+
+    sizes = [s.group] * (B // s.group) + ([B % s.group] if B % s.group else [])
+    k = completions_per_row(sizes, P, T, *pair_and_token_cost(policy.hidden, policy.intermediate))
+    if k == 1:
+        return plain
+    rows = sum(-(-n // k) for n in sizes)
+    width = P + min(k, max(sizes)) * T
+    return rows, width, f"{rows} x {width} tokens ({B} episodes: each prompt once for {min(k, max(sizes))} completions)"
 
 
 def response_budget(recipe: Recipe) -> int:

@@ -95,6 +95,12 @@ def completions_per_row(group_sizes: list[int], prompt_len: int, response_len: i
     return min(range(1, max(group_sizes) + 1), key=lambda k: (cost(k), k))
 
 
+def pair_and_token_cost(hidden: int, intermediate: int) -> tuple[float, float]:
+    """(token_cost, pair_cost) for completions_per_row, in multiply-adds per layer: per token the attention
+    projections and a gated MLP; per query-key pair the scores and the weighted values over every head."""
+    return 4 * hidden * hidden + 3 * hidden * intermediate, 2 * hidden
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, groups: torch.Tensor,
          per_row: int) -> SharedPrompts:
     """The packed batch of (B, L) rows grouped by ``groups``, ``per_row`` completions to a packed row."""
@@ -155,9 +161,7 @@ def shared_layout(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         return None
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    # Per token: the attention projections and a gated MLP (multiply-adds); per query-key pair: the
-    # scores and the weighted values over every head.
-    per_row = completions_per_row(sizes, P, response_len, 4 * hidden * hidden + 3 * hidden * intermediate, 2 * hidden)
+    per_row = completions_per_row(sizes, P, response_len, *pair_and_token_cost(hidden, intermediate))
     return None if per_row == 1 else pack(input_ids, attention_mask, response_len, groups, per_row)
 
 

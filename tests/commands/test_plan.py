@@ -639,3 +639,22 @@ def test_a_tied_head_is_counted_once_more_in_bf16_while_sampling_under_autocast(
                                       shape, None, []))  # sharded while sampling: each block's own forward gathers it
     untied = dataclasses.replace(shape, tied_head=False)  # its own head: stored in bf16 with the frozen Linears
     assert cast not in parts(estimate(settings(mixed_precision="bf16"), untied, None, []))
+
+
+def test_a_groups_prompt_is_counted_once_where_the_policy_shares_it(model_dir):
+    """engine/shared_prompts.py packs a prompt's completions behind it: the update's activations are those
+    of the packed rows. Two prompts of 6 tokens x 4 completions of 4 in one micro-batch of 8; the cost
+    model (hidden 16, intermediate 32: 2,560 multiply-adds a token, 32 a query-key pair) picks 4 to a row:
+    2 rows x 22 tokens cost 2 x (22 x 2,560 + 22^2 x 32) = 143,616 against the plain 8 x (10 x 2,560 +
+    10^2 x 32) = 230,400 (2 to a row: 168,448; 3: 225,792)."""
+    shape = describe_model(str(model_dir), "causal_lm")
+    assert shape.shares_prompts
+    grouped = dict(micro_batch=8, mini_batch=8, rollout_batch=8, group=4)
+    shared = parts(estimate(settings(**grouped), shape, None, []))
+    # 2 rows x 22 tokens x 2 layers x (8 x 16 + 4 x 32 + 7 x 4 LoRA + 22 / 2 mask) x 4 B
+    assert shared["policy", "activations (update)"] == pytest.approx(2 * 22 * 2 * 295 * 4)
+    # a mini-batch smaller than the rollout may split a group anywhere: the plain 8 x 10 tokens
+    split = parts(estimate(settings(**{**grouped, "mini_batch": 4, "micro_batch": 4}), shape, None, []))
+    assert split["policy", "activations (update)"] == pytest.approx(4 * 10 * 2 * 289 * 4)
+    plain = parts(estimate(settings(**{**grouped, "group": 1}), shape, None, []))
+    assert plain["policy", "activations (update)"] == pytest.approx(8 * 10 * 2 * 289 * 4)
