@@ -45,7 +45,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     recipe = load_recipe(Path(args.recipe), [])
     engine = engine_module.load_engine(recipe, gradient_checkpointing=True)
-    rows = [json.loads(line)["prompt"] for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()]
+    lines = [line for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line)["prompt"] for line in lines] if recipe.data.prompts.endswith(".jsonl") else lines
     state = init_state(engine, rows)  # stores the frozen weights in the compute dtype, as a run does
     state.optimizer.step = lambda *args, **kwargs: None  # the same weights every call
     engine.stop_token_id = -1  # every row runs to max_new_tokens

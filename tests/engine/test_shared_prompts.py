@@ -218,7 +218,8 @@ def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens(archit
     from ppo_cli.recipe import GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32).eval()
-    ids, mask, T = _grouped_batch(model.get_output_embeddings().weight.shape[0])
+    # 12 rows of 3 prompts of 16 columns: 9 x 15 prompt tokens saved, at least 8 a row (PREFILL_TOKENS_PER_STEP)
+    ids, mask, T = _grouped_batch(model.get_output_embeddings().weight.shape[0], prompt_len=16)
     prompt_ids, prompt_mask = ids[:, :-T], mask[:, :-T]
     cache = shared_prefill(model, prompt_ids, prompt_mask)
     assert cache is not None and cache.get_seq_length() == prompt_ids.shape[1] - 1
@@ -229,3 +230,6 @@ def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens(archit
         samples[share] = generate(model, prompt_ids, prompt_mask, gen, stop_token_id=-1, pad_token_id=0, share_prompts=share)
     assert torch.equal(samples[True].response_ids, samples[False].response_ids)
     assert shared_prefill(model, prompt_ids[::4], prompt_mask[::4]) is None  # no prompt repeats
+    # prompts of 7 columns: 9 x 6 tokens saved, under 8 a row: not worth the prefill's own forward call
+    short_ids, short_mask, T = _grouped_batch(model.get_output_embeddings().weight.shape[0], prompt_len=7)
+    assert shared_prefill(model, short_ids[:, :-T], short_mask[:, :-T]) is None
