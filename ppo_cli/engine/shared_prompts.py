@@ -180,15 +180,23 @@ def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def whole_local_weights(model: nn.Module) -> bool:
+    """Every parameter a plain, whole tensor of this process: the decoder can be called on its own, outside
+    the causal LM's forward (not FSDP's DTensors, whose hooks the root's forward sets up, nor ZeRO-3's
+    empty partitions)."""
+    return all(type(p.data) is torch.Tensor and p.numel() > 0 for p in model.parameters())
+
+
 @torch.no_grad()
 def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """A KV cache of every row's prompt but its last token, (B, P - 1), computed once per distinct prompt
     and repeated over its rows, for ``generate(past_key_values=...)``, whose first step then runs the
-    last prompt token of every row; None where no prompt repeats or the model is not listed.
+    last prompt token of every row; None where too few prompt tokens repeat, the model is not listed or
+    its weights are sharded.
 
     Only the decoder runs (the cache is all generate needs), so hooks on the causal LM see no extra call.
     """
-    if not sharing_model(model) or prompt_ids.shape[1] < 2:
+    if not sharing_model(model) or prompt_ids.shape[1] < 2 or not whole_local_weights(model):
         return None
     groups = prompt_groups(prompt_ids, prompt_mask, prompt_ids.shape[1])
     B, distinct = prompt_ids.shape[0], int(groups.max()) + 1

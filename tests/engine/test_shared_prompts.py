@@ -9,7 +9,8 @@ import torch
 
 from ppo_cli.engine import shared_prompts
 from ppo_cli.engine.logprobs import response_hidden, response_logprobs
-from ppo_cli.engine.shared_prompts import completions_per_row, pack, prompt_groups, rank_in_group, shared_layout
+from ppo_cli.engine.shared_prompts import (completions_per_row, pack, prompt_groups, rank_in_group, shared_layout,
+                                          shared_prefill)
 from tests.fixtures.architectures import FAMILIES
 
 # float32, the plain batch against the packed one: other matmul shapes, the same sums. Measured on the
@@ -214,7 +215,6 @@ def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens(archit
     from transformers import AutoModelForCausalLM
 
     from ppo_cli.engine.generate import generate
-    from ppo_cli.engine.shared_prompts import shared_prefill
     from ppo_cli.recipe import GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32).eval()
@@ -233,3 +233,11 @@ def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens(archit
     # prompts of 7 columns: 9 x 6 tokens saved, under 8 a row: not worth the prefill's own forward call
     short_ids, short_mask, T = _grouped_batch(model.get_output_embeddings().weight.shape[0], prompt_len=7)
     assert shared_prefill(model, short_ids[:, :-T], short_mask[:, :-T]) is None
+
+
+def test_a_sharded_or_partitioned_policy_prefills_each_row_itself():
+    model = _tiny_llama()
+    ids, mask, T = _grouped_batch(64, prompt_len=16)
+    assert shared_prefill(model, ids[:, :-T], mask[:, :-T]) is not None
+    model.model.norm.weight.data = torch.empty(0)  # as ZeRO-3 leaves a partitioned parameter
+    assert shared_prefill(model, ids[:, :-T], mask[:, :-T]) is None
