@@ -652,14 +652,13 @@ def update_rows(policy: ModelShape, s: Settings) -> tuple[int, int, str]:
     plain = (B, P + T, f"{B} x {P + T} tokens")
     if not policy.shares_prompts or s.group < 2 or s.token_budget or s.mini_batch < s.rollout_batch:
         return plain
-    from ppo_cli.engine.shared_prompts import completions_per_row, pair_and_token_cost
+    from ppo_cli.engine.shared_prompts import completions_per_row, packed_rows, pair_and_token_cost
 
     sizes = [s.group] * (B // s.group) + ([B % s.group] if B % s.group else [])
     k = completions_per_row(sizes, P, T, *pair_and_token_cost(policy.hidden, policy.intermediate))
     if k == 1:
         return plain
-    rows = sum(-(-n // k) for n in sizes)
-    width = P + min(k, max(sizes)) * T
+    rows, width = packed_rows(sizes, P, T, k)
     return rows, width, f"{rows} x {width} tokens ({B} episodes: each prompt once for {min(k, max(sizes))} completions)"
 
 

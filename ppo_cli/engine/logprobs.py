@@ -29,16 +29,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ppo_cli.algo.losses import entropy_from_logits
 from ppo_cli.engine.models import unwrap_causal_lm
-from ppo_cli.engine.shared_prompts import model_mask, shared_layout
+from ppo_cli.engine.shared_prompts import model_mask, position_ids_from_mask, shared_layout
 
 # Logits per chunk (positions x vocabulary): 32 MiB of float32, 170 positions at SmolLM2's 49,152
 # tokens, 55 at Qwen2.5's 151,936. The softmax and entropy temporaries are a few times that.
 LOGITS_PER_CHUNK = 2**23
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) positions counted over real tokens only, as generate() does with left padding."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def backbone_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -165,11 +160,10 @@ def response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     handle = lm.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out[0]))
     shared = shared_layout(model, input_ids, attention_mask, response_len)
     if shared is None:
-        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask.long(),
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        ids, mask, positions = input_ids, attention_mask.long(), position_ids_from_mask(attention_mask)
     else:  # each distinct prompt once for its completions (engine/shared_prompts.py)
-        kwargs = dict(input_ids=shared.input_ids, attention_mask=model_mask(model, shared.attention_mask),
-                      position_ids=shared.position_ids, use_cache=False)
+        ids, mask, positions = shared.input_ids, model_mask(model, shared.attention_mask), shared.position_ids
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
     if _accepts_logits_to_keep(type(lm)):
         kwargs["logits_to_keep"] = 1
     try:

@@ -88,13 +88,25 @@ def rank_in_group(groups: torch.Tensor) -> torch.Tensor:
     return rank
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions counted over real tokens only, as generate() does with left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def packed_rows(group_sizes: list[int], prompt_len: int, response_len: int, per_row: int) -> tuple[int, int]:
+    """(R, W): the packed rows of groups of these sizes, ``per_row`` completions to a row (a group of n
+    takes ceil(n / per_row) rows), and their width W = prompt_len + per_row * response_len (fewer where
+    no group has that many)."""
+    rows = sum(math.ceil(n / per_row) for n in group_sizes)
+    return rows, prompt_len + min(per_row, max(group_sizes)) * response_len
+
+
 def completions_per_row(group_sizes: list[int], prompt_len: int, response_len: int, token_cost: float,
                         pair_cost: float) -> int:
-    """k (1 = the plain batch) minimising sum over packed rows of W * token_cost + W^2 * pair_cost, with
-    W = prompt_len + k * response_len; a group of n rows takes ceil(n / k) packed rows."""
+    """k (1 = the plain batch) minimising sum over the packed rows (packed_rows) of W * token_cost +
+    W^2 * pair_cost."""
     def cost(k: int) -> float:
-        width = prompt_len + min(k, max(group_sizes)) * response_len
-        rows = sum(math.ceil(n / k) for n in group_sizes)
+        rows, width = packed_rows(group_sizes, prompt_len, response_len, k)
         return rows * (width * token_cost + width * width * pair_cost)
 
     return min(range(1, max(group_sizes) + 1), key=lambda k: (cost(k), k))
@@ -117,7 +129,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: in
     R, W = int(rows.max()) + 1, P + (int(slot.max()) + 1) * T
 
     real = attention_mask.bool()
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # position_ids_from_mask
+    positions = position_ids_from_mask(attention_mask)
     packed_ids = torch.zeros(R, W, dtype=input_ids.dtype, device=device)
     packed_real = torch.zeros(R, W, dtype=torch.bool, device=device)
     packed_positions = torch.zeros(R, W, dtype=torch.long, device=device)
@@ -196,12 +208,12 @@ def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
 
     Only the decoder runs (the cache is all generate needs), so hooks on the causal LM see no extra call.
     """
-    if not sharing_model(model) or prompt_ids.shape[1] < 2 or not whole_local_weights(model):
+    if not sharing_model(model) or not whole_local_weights(model):
         return None
     groups = prompt_groups(prompt_ids, prompt_mask, prompt_ids.shape[1])
     B, distinct = prompt_ids.shape[0], int(groups.max()) + 1
     if (B - distinct) * (prompt_ids.shape[1] - 1) < PREFILL_TOKENS_PER_STEP * B:
-        return None  # the prefill saved would not pay for the extra forward call
+        return None  # the prefill saved would not pay for the extra forward call (none for a 1-token prompt)
     from transformers import DynamicCache
 
     lm = unwrap_causal_lm(model)
@@ -209,7 +221,7 @@ def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     first[groups] = torch.arange(groups.numel(), device=groups.device)  # a row of each group (any: the same prompt)
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1].long()
     cache = DynamicCache(config=lm.config)
-    lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+    lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                      use_cache=True, **{CACHE_ARGUMENT: cache})
     cache.reorder_cache(groups)
     return cache
