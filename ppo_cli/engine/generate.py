@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from ppo_cli.engine.lean_lora import lean_lora
 from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.engine.shared_prompts import CACHE_ARGUMENT, shared_prefill
 from ppo_cli.errors import RecipeError
@@ -206,7 +207,8 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
         from transformers import StoppingCriteriaList
 
         extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
-    with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model):
+    lean = contextlib.nullcontext() if in_step else lean_lora(model)
+    with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model), lean:
         if share_prompts and not in_step:  # a per-block gather decodes in step: every process the same calls
             cache = shared_prefill(model, prompt_ids, prompt_mask)
             if cache is not None:

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Sampling's LoRA layers in two ops (engine/lean_lora.py) against peft's forward, same process,
+alternating: the GRPO bench recipe's sampling (SmolLM2-135M-Instruct, LoRA r16 all-linear, frozen
+weights stored as a run stores them, `mixed_precision` as the recipe resolves it on this CPU) of 4 prompts
+x 4 completions x 48 tokens forced (no stop token), after one warm-up call each.
+
+    python benchmarks/bench_lean_lora.py [RECIPE] [--calls 4] [--threads 2] [--set section.key=value ...]
+
+``--set train.mixed_precision=no`` times the float32 path. Prints wall and process CPU seconds per call
+(min / median). Never imported by ppo_cli or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s47-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", default=str(DEFAULT_RECIPE))
+    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], help="section.key=value overrides of the recipe")
+    args = parser.parse_args()
+
+    import torch
+
+    from ppo_cli.engine import engine as engine_module
+    from ppo_cli.engine import lean_lora
+    from ppo_cli.recipe_loading import load_recipe
+    from ppo_cli.train_setup import init_state
+
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(Path(args.recipe), args.set)
+    engine = engine_module.load_engine(recipe)
+    lines = [line for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line)["prompt"] for line in lines] if recipe.data.prompts.endswith(".jsonl") else lines
+    init_state(engine, rows)  # stores the frozen weights in the compute dtype, as a run does
+    engine.stop_token_id = -1  # every row runs to max_new_tokens
+    for name, param in engine.actor_critic.policy.named_parameters():
+        if "lora_B" in name:  # a trained adapter's B, not a fresh one's zeros
+            torch.nn.init.normal_(param, std=1e-3)
+    prompts = [p for p in rows[:4] for _ in range(recipe.generation.num_generations)]
+    print(f"mixed_precision {engine.mixed_precision}")
+
+    def sampling():
+        torch.manual_seed(0)
+        with engine.autocast():
+            engine.generate(prompts)
+
+    seconds = {mode: [] for mode in ("lean", "peft")}
+    for call in range(args.calls + 1):  # call 0 warms up
+        for mode in (("lean", "peft") if call % 2 == 0 else ("peft", "lean")):
+            lean_lora.ENABLED = mode == "lean"
+            wall, cpu = time.perf_counter(), time.process_time()
+            sampling()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            print(f"call {call} sampling {mode}: {wall:.2f} s wall, {cpu:.2f} CPU s", flush=True)
+            if call > 0:
+                seconds[mode].append((wall, cpu))
+    print(f"{args.threads} threads; min / median of {args.calls} calls")
+    for mode, pairs in seconds.items():
+        walls, cpus = [w for w, _ in pairs], [c for _, c in pairs]
+        print(f"sampling {mode:5s} wall {min(walls):.2f} / {statistics.median(walls):.2f}   "
+              f"CPU {min(cpus):.2f} / {statistics.median(cpus):.2f}")
+
+
+if __name__ == "__main__":
+    main()
