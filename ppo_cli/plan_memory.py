@@ -158,8 +158,10 @@ def _linear_layers(backbone) -> tuple[Linear, ...]:
     )
 
 
-def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, revision: str | None = None) -> ModelShape:
-    """``kind``: 'causal_lm' (policy, reference), 'backbone' (a separate critic) or 'classifier' (reward)."""
+def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, revision: str | None = None,
+                   attn_implementation: str | None = None) -> ModelShape:
+    """``kind``: 'causal_lm' (policy, reference), 'backbone' (a separate critic) or 'classifier' (reward);
+    ``attn_implementation``: the recipe's (None or 'auto': the model's default)."""
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -189,9 +191,11 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
 
         if logprob_path(model) == "chunked":
             logits_chunk = max(1, LOGITS_PER_CHUNK // model.get_output_embeddings().weight.shape[0])
-        from ppo_cli.engine.shared_prompts import sharing_model
+        from ppo_cli.engine import shared_prompts
 
-        shares_prompts = sharing_model(model)
+        if attn_implementation not in (None, "auto"):  # the attention the run will load, not the config's default
+            model.config._attn_implementation = attn_implementation
+        shares_prompts = shared_prompts.sharing_model(model)
     return ModelShape(
         path=path,
         total_params=sum(p.numel() for p in model.parameters()),
@@ -682,7 +686,8 @@ def update_micro_batch(recipe: Recipe, prompt_len: int) -> int:
 def model_shapes(recipe: Recipe) -> dict:
     pol = recipe.policy
     common = dict(trust_remote_code=pol.trust_remote_code)
-    shapes = {"policy": described("policy.path", pol.path, "causal_lm", revision=pol.revision, **common)}
+    shapes = {"policy": described("policy.path", pol.path, "causal_lm", revision=pol.revision,
+                                  attn_implementation=pol.attn_implementation, **common)}
     if recipe.reference.path is not None:
         shapes["reference"] = described("reference.path", recipe.reference.path, "causal_lm", **common)
     if value_kind(recipe) == "model":

@@ -658,3 +658,11 @@ def test_a_groups_prompt_is_counted_once_where_the_policy_shares_it(model_dir):
     assert split["policy", "activations (update)"] == pytest.approx(4 * 10 * 2 * 289 * 4)
     plain = parts(estimate(settings(**{**grouped, "group": 1}), shape, None, []))
     assert plain["policy", "activations (update)"] == pytest.approx(8 * 10 * 2 * 289 * 4)
+
+
+@pytest.mark.parametrize("attention, shares", [("auto", True), ("sdpa", True), ("eager", True),
+                                               ("flash_attention_2", False)])
+def test_the_plan_shares_prompts_only_under_the_attention_the_recipe_names(model_dir, attention, shares):
+    """A recipe's policy.attn_implementation, not the config's default: flash_attention_2 takes no 4D mask,
+    so its run packs nothing and its update holds the plain rows."""
+    assert describe_model(str(model_dir), "causal_lm", attn_implementation=attention).shares_prompts is shares
