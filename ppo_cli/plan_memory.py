@@ -191,11 +191,11 @@ def describe_model(path: str, kind: str, *, trust_remote_code: bool = False, rev
 
         if logprob_path(model) == "chunked":
             logits_chunk = max(1, LOGITS_PER_CHUNK // model.get_output_embeddings().weight.shape[0])
-        from ppo_cli.engine import shared_prompts
+        from ppo_cli.engine.shared_prompts import sharing_model
 
         if attn_implementation not in (None, "auto"):  # the attention the run will load, not the config's default
             model.config._attn_implementation = attn_implementation
-        shares_prompts = shared_prompts.sharing_model(model)
+        shares_prompts = sharing_model(model)
     return ModelShape(
         path=path,
         total_params=sum(p.numel() for p in model.parameters()),

@@ -29,13 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppo_cli.engine.shared_prompts import whole_local_weights
+
 ENABLED = True  # benchmarks/bench_lean_lora.py switches it off for its A/B
 
 
 @contextlib.contextmanager
 def lean_lora(model: nn.Module):
     """Inside, every plain LoRA Linear of ``model`` (see the module docstring) computes in two ops."""
-    layers = [module for module in model.modules() if _plain_lora_linear(module)] if ENABLED else []
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = [m for m in model.modules() if type(m) is LoraLinear and _plain_lora_linear(m)] if ENABLED else []
     for layer in layers:
         _install(layer)
     try:
@@ -46,11 +50,8 @@ def lean_lora(model: nn.Module):
 
 
 def _plain_lora_linear(module: nn.Module) -> bool:
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    if type(module) is not LoraLinear or module.merged or module.disable_adapters:
+    """``module``: a peft lora.Linear."""
+    if module.merged or module.disable_adapters:
         return False
     if len(module.active_adapters) != 1:
         return False
@@ -65,8 +66,7 @@ def _plain_lora_linear(module: nn.Module) -> bool:
         return False
     if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0.0)):
         return False
-    tensors = [base.weight, lora_A.weight, lora_B.weight] + ([base.bias] if base.bias is not None else [])
-    return all(type(t.data) is torch.Tensor and t.numel() > 0 for t in tensors)
+    return whole_local_weights(module)
 
 
 def _install(layer: nn.Module) -> None:

@@ -112,7 +112,8 @@ def short_run(smollm2, tmp_path_factory):
     alone), and `ppo plan` of the same recipe."""
     out = tmp_path_factory.mktemp("smollm2-runs")
     questions = out / "questions.jsonl"
-    questions.write_text("".join(ROOT.joinpath(_recipe().data.prompts).read_text().splitlines(keepends=True)[:SHORT_RUN_QUESTIONS]))
+    lines = ROOT.joinpath(_recipe().data.prompts).read_text().splitlines(keepends=True)
+    questions.write_text("".join(lines[:SHORT_RUN_QUESTIONS]))
     sets = dict(SHORT_RUN, **{"policy.path": str(smollm2 / GGUF), "output_dir": str(out), "name": "short",
                               "data.prompts": str(questions)})
     args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
