@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Sampling's LoRA layers in two ops (engine/lean_lora.py) against peft's forward, same process,
-alternating: the GRPO bench recipe's sampling (SmolLM2-135M-Instruct, LoRA r16 all-linear, frozen
+"""Sampling's LoRA layers in two ops on bases packed once (engine/lean_lora.py, engine/packed_linear.py)
+against the same without the packing and against peft's forward, same process, in turn: the GRPO bench recipe's sampling (SmolLM2-135M-Instruct, LoRA r16 all-linear, frozen
 weights stored as a run stores them, `mixed_precision` as the recipe resolves it on this CPU) of 4 prompts
 x 4 completions x 48 tokens forced (no stop token), after one warm-up call each.
 
     python benchmarks/bench_lean_lora.py [RECIPE] [--calls 4] [--threads 2] [--set section.key=value ...]
 
-``--set train.mixed_precision=no`` times the float32 path. Prints wall and process CPU seconds per call
+Modes: ``packed`` (what generate() does), ``lean`` (packed_linear switched off), ``peft`` (both off).
+``--set train.mixed_precision=no`` times the float32 path (which packs nothing). Prints wall and process CPU seconds per call
 (min / median). Never imported by ppo_cli or its tests.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s47-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
+DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s48-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     import torch
 
     from ppo_cli.engine import engine as engine_module
-    from ppo_cli.engine import lean_lora
+    from ppo_cli.engine import lean_lora, packed_linear
     from ppo_cli.recipe_loading import load_recipe
     from ppo_cli.train_setup import init_state
 
@@ -59,10 +60,12 @@ def main() -> None:
         with engine.autocast():
             engine.generate(prompts)
 
-    seconds = {mode: [] for mode in ("lean", "peft")}
+    modes = ("packed", "lean", "peft")
+    seconds = {mode: [] for mode in modes}
     for call in range(args.calls + 1):  # call 0 warms up
-        for mode in (("lean", "peft") if call % 2 == 0 else ("peft", "lean")):
-            lean_lora.ENABLED = mode == "lean"
+        for mode in (modes if call % 2 == 0 else modes[::-1]):
+            lean_lora.ENABLED = mode != "peft"
+            packed_linear.ENABLED = mode == "packed"
             wall, cpu = time.perf_counter(), time.process_time()
             sampling()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -72,7 +75,7 @@ def main() -> None:
     print(f"{args.threads} threads; min / median of {args.calls} calls")
     for mode, pairs in seconds.items():
         walls, cpus = [w for w, _ in pairs], [c for _, c in pairs]
-        print(f"sampling {mode:5s} wall {min(walls):.2f} / {statistics.median(walls):.2f}   "
+        print(f"sampling {mode:6s} wall {min(walls):.2f} / {statistics.median(walls):.2f}   "
               f"CPU {min(cpus):.2f} / {statistics.median(cpus):.2f}")
 
 

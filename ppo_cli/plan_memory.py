@@ -393,7 +393,16 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
              f"2 x {policy.layers} layers x {policy.kv_heads} KV heads x {policy.head_dim} x {R} x {L} tokens x {kvb:g} B", "rollout"),
         Line("rollout", "no-grad forward working set", work / GB, "one layer's temporaries + logits, largest model", "rollout"),
     ]
-    if lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and not s.fsdp_per_block:
+    if sampling_packs(s):
+        # engine/lean_lora.py: each adapted layer's frozen weight joined to its scaled B, (out, in + r), and
+        # engine/packed_linear.py the head, laid out for oneDNN once per generate() call, beside the weights
+        adapted = sum((l.in_features + lora.r) * l.out_features for l in policy.adapted(lora))
+        rollout.append(Line("rollout", "bf16 weights packed for sampling", adapted * 2 / GB,
+                            f"{adapted / 1e6:.1f}M adapted linear weights and their B x 2 B, while sampling",
+                            "rollout"))
+        rollout.append(Line("rollout", "LM head packed for sampling", policy.vocab * policy.hidden * 2 / GB,
+                            f"the head, {policy.vocab} x {policy.hidden} x 2 B, while sampling", "rollout"))
+    elif lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and not s.fsdp_per_block:
         # engine/generate.py head_cast_once: the frozen tied head cast once for the whole generate() call
         # (with the policy whole while sampling: FSDP per block shards it, and head_cast_once leaves it)
         rollout.append(Line("rollout", "LM head cast for sampling", policy.vocab * policy.hidden * 2 / GB,
@@ -404,6 +413,16 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                    "runtime")
     lines, update, rollout = shard(s, policy, lines, update, rollout, rewards)
     return Estimate(lines + update + rollout + [runtime], sum(l.gb for l in update), sum(l.gb for l in rollout))
+
+
+def sampling_packs(s: Settings) -> bool:
+    """Whether generate() packs the policy's bf16 products (engine/packed_linear.py): a LoRA policy on a
+    whole (not 4-bit, not per-block sharded) base under bf16 autocast, on a CPU where oneDNN computes bf16,
+    for responses long enough to pay."""
+    from ppo_cli.engine.packed_linear import packing_pays
+
+    return (s.lora is not None and s.quantization == "none" and s.mixed_precision == "bf16" and not s.fsdp_per_block
+            and packing_pays(s.device, s.response_tokens))
 
 
 def fsdp_heap_kept(policy: ModelShape, update: list[Line]) -> list[Line]:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ppo_cli.engine.lean_lora import lean_lora
+from ppo_cli.engine.packed_linear import packed_product, packing_pays
 from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.engine.shared_prompts import CACHE_ARGUMENT, shared_prefill
 from ppo_cli.errors import RecipeError
@@ -125,7 +126,7 @@ def no_checkpointing(model):
 
 
 @contextlib.contextmanager
-def head_cast_once(model):
+def head_cast_once(model, pack_rows: int = 0):
     """Inside, under autocast, the LM head computes with its weight cast to the autocast dtype once, not
     at every decoding step: for a generate() call.
 
@@ -134,20 +135,28 @@ def head_cast_once(model):
     only of leaves that require grad: at SmolLM2's 49,152 x 576 the cast took 6.5 ms a step, 5% of the
     sampling phase (AMD EPYC, 2 threads). The same numbers (autocast's cast is this ``.to``) for a
     copy of the head held while sampling (54 MiB at SmolLM2, 260 MiB at Qwen2.5's 151,936 x 896).
-    A head that is not a plain float32 Linear, or is trained, or whose weight is sharded or gathered
-    by its own forward, is left as it is.
+    With ``pack_rows`` (packed_linear.packing_pays) the bf16 copy is laid out for oneDNN once as well,
+    a float32 or a bf16 head alike. A head that is not a plain Linear, or is trained, or whose weight
+    is sharded or gathered by its own forward, is left as it is.
     """
     head = unwrap_causal_lm(model).get_output_embeddings()
     weight = head.weight if type(head) is torch.nn.Linear else None
-    if (weight is None or weight.requires_grad or weight.dtype != torch.float32
+    if (weight is None or weight.requires_grad
             or type(weight.data) is not torch.Tensor or weight.numel() == 0
             or not torch.is_autocast_enabled(weight.device.type)):
         yield
         return
     dtype = torch.get_autocast_dtype(weight.device.type)
-    cast_weight = weight.detach().to(dtype)
-    cast_bias = None if head.bias is None else head.bias.detach().to(dtype)
-    head.forward = lambda hidden: torch.nn.functional.linear(hidden, cast_weight, cast_bias)
+    if pack_rows and dtype == torch.bfloat16:
+        product = packed_product(weight, head.bias, pack_rows)
+        head.forward = lambda hidden: product(hidden.to(dtype))
+    elif weight.dtype == torch.float32:
+        cast_weight = weight.detach().to(dtype)
+        cast_bias = None if head.bias is None else head.bias.detach().to(dtype)
+        head.forward = lambda hidden: torch.nn.functional.linear(hidden, cast_weight, cast_bias)
+    else:
+        yield
+        return
     try:
         yield
     finally:
@@ -207,8 +216,10 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
         from transformers import StoppingCriteriaList
 
         extra["stopping_criteria"] = StoppingCriteriaList([finished_rows_watcher(prompt_ids.shape[1], stop_token_id, on_finished)])
-    lean = contextlib.nullcontext() if in_step else lean_lora(model)
-    with no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model), lean:
+    pack_rows = prompt_ids.shape[0] if not in_step and packing_pays(prompt_ids.device, gen.max_new_tokens) else 0
+    lean = contextlib.nullcontext() if in_step else lean_lora(model, pack_rows)
+    with (no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model, pack_rows),
+          lean):
         if share_prompts and not in_step:  # a per-block gather decodes in step: every process the same calls
             cache = shared_prefill(model, prompt_ids, prompt_mask)
             if cache is not None:

@@ -641,6 +641,36 @@ def test_a_tied_head_is_counted_once_more_in_bf16_while_sampling_under_autocast(
     assert cast not in parts(estimate(settings(mixed_precision="bf16"), untied, None, []))
 
 
+def test_weights_packed_for_sampling_are_counted_where_generate_packs_them(model_dir):
+    """engine/packed_linear.py: under bf16 autocast on a CPU whose oneDNN computes bf16, generate() holds each
+    adapted layer's weight (joined to its B) and the head laid out a second time, for responses of at least
+    MIN_STEPS tokens;
+    the head's bf16 copy is then the packed one (no cast line besides)."""
+    import torch
+
+    from ppo_cli.engine.packed_linear import MIN_STEPS
+
+    shape = describe_model(str(model_dir), "causal_lm")
+    packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    weights, head = ("rollout", "bf16 weights packed for sampling"), ("rollout", "LM head packed for sampling")
+    long = dict(mixed_precision="bf16", response_tokens=MIN_STEPS)
+    got = parts(estimate(settings(**long), shape, None, []))
+    if not packs:
+        assert weights not in got and head not in got
+        return
+    # all-linear: every backbone Linear joined to its B, (in + r) x out: 4,608 + 4 x 2 layers x 128 outputs
+    assert got[weights] == pytest.approx((LINEAR + 4 * 2 * (16 + 8 + 8 + 16 + 32 + 32 + 16)) * 2)
+    assert got[head] == pytest.approx(100 * 16 * 2)
+    assert ("rollout", "LM head cast for sampling") not in got
+    only_q = parts(estimate(settings(**long, lora=LoraConfig(r=4, alpha=8, target_modules=["q_proj"])), shape, None, []))
+    assert only_q[weights] == pytest.approx(2 * (16 + 4) * 16 * 2)  # 2 layers' q_proj, (16 + r 4) x 16
+    for change in (dict(response_tokens=MIN_STEPS - 1), dict(mixed_precision="no"), dict(device="cuda"),
+                   dict(lora=None), dict(quantization="4bit"),
+                   dict(sharding="fsdp", processes=2, fsdp_per_block=True)):
+        got = parts(estimate(settings(**{**long, **change}), shape, None, []))
+        assert weights not in got and head not in got, change
+
+
 def test_a_groups_prompt_is_counted_once_where_the_policy_shares_it(model_dir):
     """engine/shared_prompts.py packs a prompt's completions behind it: the update's activations are those
     of the packed rows. Two prompts of 6 tokens x 4 completions of 4 in one micro-batch of 8; the cost
