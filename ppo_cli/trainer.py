@@ -36,7 +36,7 @@ from ppo_cli.distributed import mark_accumulation_boundary
 from ppo_cli.engine.data import PromptSampler
 from ppo_cli.engine.envs.metrics import episode_metrics
 from ppo_cli.engine.engine import Engine
-from ppo_cli.engine.malloc import release_freed_memory
+from ppo_cli.engine.malloc import release_freed_memory, run_objects_frozen
 from ppo_cli.engine.shared_prompts import prompt_groups
 from ppo_cli.memory_peaks import phase_peak
 from ppo_cli.resource_errors import phase as memory_phase
@@ -62,16 +62,17 @@ def train(state: TrainState) -> Iterator[tuple[dict[str, float], Rollout]]:
     from ppo_cli.errors import RESUME, TrainingError
 
     limit = state.recipe.train.max_consecutive_skips
-    while state.step < state.recipe.train.total_updates:
-        yield train_step(state)
-        if state.consecutive_skips >= limit:
-            raise TrainingError(
-                f"stopped at update {state.step}: {state.consecutive_skips} updates in a row skipped for "
-                f"{state.last_skip_reason}",
-                # Resuming unchanged would meet the same numbers: the fix is a setting, which --force accepts.
-                hint=f"likely cause: {LIKELY_CAUSES[state.last_skip_reason]}; the last checkpoint is intact: "
-                     f"change the setting, then continue from it with {RESUME} --force (which accepts the changed recipe)",
-            )
+    with run_objects_frozen():  # each update's garbage collection walks what the update made, not the models
+        while state.step < state.recipe.train.total_updates:
+            yield train_step(state)
+            if state.consecutive_skips >= limit:
+                raise TrainingError(
+                    f"stopped at update {state.step}: {state.consecutive_skips} updates in a row skipped for "
+                    f"{state.last_skip_reason}",
+                    # Resuming unchanged would meet the same numbers: the fix is a setting, which --force accepts.
+                    hint=f"likely cause: {LIKELY_CAUSES[state.last_skip_reason]}; the last checkpoint is intact: "
+                         f"change the setting, then continue from it with {RESUME} --force (which accepts the changed recipe)",
+                )
 
 
 def release_update_memory(engine: Engine) -> None:

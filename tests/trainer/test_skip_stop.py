@@ -50,3 +50,33 @@ def test_a_good_update_resets_the_count(monkeypatch):
     state = _state(max_skips=3)
     state.recipe.train.total_updates = 8
     assert len(list(trainer.train(state))) == 8  # never 3 in a row
+
+
+def test_the_updates_run_with_the_objects_alive_before_them_frozen_and_give_them_back_after(monkeypatch):
+    """engine/malloc.run_objects_frozen: each update's full collection walks what the update made, not the
+    models; a cycle made during the updates is still collected; after the loop nothing stays frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    seen = []
+
+    def step(state):
+        state.step += 1
+        cycle = Node()
+        cycle.me = cycle  # garbage only the cyclic collector frees
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        seen.append((gc.get_freeze_count(), alive() is None))
+        return {}, None
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    state = _state(max_skips=3)
+    state.recipe.train.total_updates = 2
+    before = gc.get_freeze_count()
+    list(trainer.train(state))
+    assert len(seen) == 2 and all(frozen > before + 1000 and collected for frozen, collected in seen)
+    assert gc.get_freeze_count() == before == 0
