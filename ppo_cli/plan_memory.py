@@ -249,6 +249,7 @@ class Settings:
     entropy_bonus: bool = False  # ppo.entropy_coef > 0: the entropy's softmax is kept for the backward
     group: int = 1  # generation.num_generations: completions per prompt, which share its forward
     cpu_heap_mapped: bool = False  # CPU: large blocks get huge pages, so a checkpointed update maps them (engine/malloc.heap_mapped)
+    pack_weights: bool = True  # generation.pack_weights with backend hf: generate() may pack (sampling_packs)
 
 
 @dataclass
@@ -416,13 +417,13 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
 
 
 def sampling_packs(s: Settings) -> bool:
-    """Whether generate() packs the policy's bf16 products (engine/packed_linear.py): a LoRA policy on a
-    whole (not 4-bit, not per-block sharded) base under bf16 autocast, on a CPU where oneDNN computes bf16,
-    for responses long enough to pay."""
+    """Whether generate() packs the policy's bf16 products (engine/packed_linear.py): generation.pack_weights
+    with backend hf, a LoRA policy on a whole (not 4-bit, not per-block sharded) base under bf16 autocast,
+    on a CPU where oneDNN computes bf16, for responses long enough to pay."""
     from ppo_cli.engine.packed_linear import packing_pays
 
-    return (s.lora is not None and s.quantization == "none" and s.mixed_precision == "bf16" and not s.fsdp_per_block
-            and packing_pays(s.device, s.response_tokens))
+    return (s.pack_weights and s.lora is not None and s.quantization == "none" and s.mixed_precision == "bf16"
+            and not s.fsdp_per_block and packing_pays(s.device, s.response_tokens))
 
 
 def fsdp_heap_kept(policy: ModelShape, update: list[Line]) -> list[Line]:
@@ -604,6 +605,9 @@ def suggestions(s: Settings, shapes: dict, budget_gb: float) -> list[Suggestion]
         offer("4-bit reward model", sets, dataclasses.replace(s, rewards=tuple((d, "4bit", n) for d, _, n in s.rewards)))
     if s.lora is None and s.optimizer == "adamw":
         offer("8-bit AdamW (bitsandbytes)", ["optim.name=adamw_8bit"], dataclasses.replace(s, optimizer="adamw_8bit"))
+    if sampling_packs(s):
+        offer("sample on the weights as they are (no packed copy)", ["generation.pack_weights=false"],
+              dataclasses.replace(s, pack_weights=False))
     if not s.gradient_checkpointing:
         offer("gradient checkpointing", ["train.gradient_checkpointing=true"],
               dataclasses.replace(s, gradient_checkpointing=True))
@@ -656,6 +660,7 @@ def settings_from_recipe(recipe: Recipe, device: str, prompt_len: int, mixed_pre
         mixed_precision=mixed_precision,
         entropy_bonus=recipe.ppo.entropy_coef > 0,
         group=recipe.generation.num_generations,
+        pack_weights=recipe.generation.pack_weights and recipe.generation.backend == "hf",
         cpu_heap_mapped=device == "cpu" and large_blocks_on_huge_pages(),
         # Evaluation gathers the whole policy on every process.
         fsdp_per_block=recipe.train.fsdp_rollout == "per_block" and not recipe.data.eval_prompts,

@@ -338,6 +338,13 @@ class GenerationConfig(Section):
         "update = ppo.rollout_batch_size x num_generations.",
     )
     stop_token: str | None = Field(None, description="Stop token text. Default: the tokenizer's EOS (TRL: stop_token='eos').")
+    pack_weights: bool = Field(
+        True,
+        description="backend hf on a CPU with bf16 autocast (avx512_bf16 or AMX): lay out the frozen weights and the LM "
+        "head for oneDNN once per generate() call instead of at every decoding step (engine/packed_linear.py), a second "
+        "copy of them while sampling (ppo plan: 'bf16 weights packed for sampling'). false keeps that memory and "
+        "samples slower.",
+    )
     backend: Literal["hf", "vllm", "vllm_server"] = Field(
         "hf",
         description="Who samples the rollouts. hf: transformers generate on the policy itself. vllm: an in-process "

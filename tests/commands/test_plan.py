@@ -665,10 +665,27 @@ def test_weights_packed_for_sampling_are_counted_where_generate_packs_them(model
     only_q = parts(estimate(settings(**long, lora=LoraConfig(r=4, alpha=8, target_modules=["q_proj"])), shape, None, []))
     assert only_q[weights] == pytest.approx(2 * (16 + 4) * 16 * 2)  # 2 layers' q_proj, (16 + r 4) x 16
     for change in (dict(response_tokens=MIN_STEPS - 1), dict(mixed_precision="no"), dict(device="cuda"),
-                   dict(lora=None), dict(quantization="4bit"),
+                   dict(lora=None), dict(quantization="4bit"), dict(pack_weights=False),
                    dict(sharding="fsdp", processes=2, fsdp_per_block=True)):
         got = parts(estimate(settings(**{**long, **change}), shape, None, []))
         assert weights not in got and head not in got, change
+
+
+def test_the_recipe_can_keep_the_packed_copies_memory_and_the_plan_offers_it(model_dir):
+    """generation.pack_weights false (or a vLLM backend, which never calls generate()) plans no packed
+    copies; where they are planned, an over-budget plan offers generation.pack_weights=false."""
+    from ppo_cli.engine.packed_linear import MIN_STEPS
+    from ppo_cli.plan_memory import sampling_packs, settings_from_recipe
+    from ppo_cli.recipe_loading import load_recipe
+
+    recipe = ROOT / "recipes" / "tiny_sentiment.yaml"
+    assert settings_from_recipe(load_recipe(recipe, []), "cpu", prompt_len=8).pack_weights
+    assert not settings_from_recipe(load_recipe(recipe, ["generation.pack_weights=false"]), "cpu", prompt_len=8).pack_weights
+    assert not settings_from_recipe(load_recipe(recipe, ["generation.backend=vllm"]), "cpu", prompt_len=8).pack_weights
+    shape = describe_model(str(model_dir), "causal_lm")
+    s = settings(mixed_precision="bf16", response_tokens=MIN_STEPS)
+    offered = [f.overrides for f in suggestions(s, {"policy": shape, "value": None, "rewards": []}, budget_gb=0.0)]
+    assert (["generation.pack_weights=false"] in offered) == sampling_packs(s)
 
 
 def test_a_groups_prompt_is_counted_once_where_the_policy_shares_it(model_dir):

@@ -227,3 +227,28 @@ def test_generate_in_bf16_samples_the_same_tokens_and_log_probs_on_packed_weight
     (packed_gen, packed_logprobs, _), (plain_gen, plain_logprobs, _) = samples[real], samples[unpacked_product]
     assert torch.equal(packed_gen.response_ids, plain_gen.response_ids)
     assert torch.equal(packed_logprobs, plain_logprobs)
+
+
+@needs_packing
+@pytest.mark.parametrize("pack_weights, max_new_tokens, packs", [(True, MIN_STEPS, True), (True, MIN_STEPS - 1, False),
+                                                                (False, MIN_STEPS, False)])
+def test_generate_packs_where_the_recipe_lets_it_and_the_call_is_long_enough(architecture_models, monkeypatch,
+                                                                             pack_weights, max_new_tokens, packs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ppo_cli.engine import generate as generate_module
+    from ppo_cli.engine import lean_lora as lean_module
+    from ppo_cli.engine.generate import generate
+    from ppo_cli.recipe import GenerationConfig
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(architecture_models / "llama", dtype=torch.float32),
+                           LoraConfig(r=4, target_modules="all-linear"))
+    calls = []
+    for module in (lean_module, generate_module):
+        monkeypatch.setattr(module, "packed_product", lambda *args: calls.append(1) or packed_product(*args))
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, pack_weights=pack_weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generate(model, torch.randint(3, 50, (2, 5)), torch.ones(2, 5, dtype=torch.bool), gen, stop_token_id=-1,
+                 pad_token_id=0)
+    assert bool(calls) == packs
