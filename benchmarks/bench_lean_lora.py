@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s48-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
+DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s49c-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
 
 
 def main() -> None:
