@@ -403,7 +403,8 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
                             "rollout"))
         rollout.append(Line("rollout", "LM head packed for sampling", policy.vocab * policy.hidden * 2 / GB,
                             f"the head, {policy.vocab} x {policy.hidden} x 2 B, while sampling", "rollout"))
-    elif lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head and not s.fsdp_per_block:
+    elif (lora is not None and s.mixed_precision != "no" and b[s.dtype] > 2 and policy.tied_head
+          and not decodes_per_block(s)):
         # engine/generate.py head_cast_once: the frozen tied head cast once for the whole generate() call
         # (with the policy whole while sampling: FSDP per block shards it, and head_cast_once leaves it)
         rollout.append(Line("rollout", "LM head cast for sampling", policy.vocab * policy.hidden * 2 / GB,
@@ -423,7 +424,13 @@ def sampling_packs(s: Settings) -> bool:
     from ppo_cli.engine.packed_linear import packing_pays
 
     return (s.pack_weights and s.lora is not None and s.quantization == "none" and s.mixed_precision == "bf16"
-            and not s.fsdp_per_block and packing_pays(s.device, s.response_tokens))
+            and not decodes_per_block(s) and packing_pays(s.device, s.response_tokens))
+
+
+def decodes_per_block(s: Settings) -> bool:
+    """FSDP shards the policy and each block gathers itself in its forward while sampling (the recipe's
+    train.fsdp_rollout per_block counts only under FSDP)."""
+    return s.sharding == "fsdp" and s.fsdp_per_block
 
 
 def fsdp_heap_kept(policy: ModelShape, update: list[Line]) -> list[Line]:

@@ -637,6 +637,8 @@ def test_a_tied_head_is_counted_once_more_in_bf16_while_sampling_under_autocast(
     assert cast not in parts(estimate(settings(mixed_precision="bf16", dtype="bfloat16"), shape, None, []))
     assert cast not in parts(estimate(settings(mixed_precision="bf16", sharding="fsdp", processes=2, fsdp_per_block=True),
                                       shape, None, []))  # sharded while sampling: each block's own forward gathers it
+    # the recipe's fsdp_rollout per_block without FSDP: the policy is whole while sampling
+    assert cast in parts(estimate(settings(mixed_precision="bf16", fsdp_per_block=True), shape, None, []))
     untied = dataclasses.replace(shape, tied_head=False)  # its own head: stored in bf16 with the frozen Linears
     assert cast not in parts(estimate(settings(mixed_precision="bf16"), untied, None, []))
 
@@ -662,6 +664,8 @@ def test_weights_packed_for_sampling_are_counted_where_generate_packs_them(model
     assert got[weights] == pytest.approx((LINEAR + 4 * 2 * (16 + 8 + 8 + 16 + 32 + 32 + 16)) * 2)
     assert got[head] == pytest.approx(100 * 16 * 2)
     assert ("rollout", "LM head cast for sampling") not in got
+    # train.fsdp_rollout per_block (the recipe's default) counts only under FSDP: one process samples whole
+    assert parts(estimate(settings(**long, fsdp_per_block=True), shape, None, []))[weights] == got[weights]
     only_q = parts(estimate(settings(**long, lora=LoraConfig(r=4, alpha=8, target_modules=["q_proj"])), shape, None, []))
     assert only_q[weights] == pytest.approx(2 * (16 + 4) * 16 * 2)  # 2 layers' q_proj, (16 + r 4) x 16
     for change in (dict(response_tokens=MIN_STEPS - 1), dict(mixed_precision="no"), dict(device="cuda"),
