@@ -113,8 +113,14 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     engine.reward.stream = lambda *args: streams.append(make_stream(*args)) or streams[-1]
     engine.sample = lambda *args, **kwargs: (sample(*args, **kwargs), ended.append(time.monotonic()))[0]
     prompts = ["The movie was", "I think the book was", "This phone is", "Overall, the product is"] * 2
+    # 20 ms a decoding step: the tiny model decodes the steps after a row's stop in a few ms, and whether
+    # its request reaches the server before the last step would be a race the machine's speed decides
+    from ppo_cli.engine.models import unwrap_causal_lm
+
+    slow = unwrap_causal_lm(engine.actor_critic.policy).register_forward_hook(lambda *_: time.sleep(0.02))
     torch.manual_seed(0)
     rollout = engine.collect_rollout(prompts)
+    slow.remove()
 
     (values,) = [v for name, v in rollout.score_components.items() if name.startswith("http:")]
     assert values == _short_positive()(prompts, rollout.responses)  # what the server computes, row by row
