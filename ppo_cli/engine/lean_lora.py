@@ -176,16 +176,17 @@ def _install_joined(layers: list[nn.Module], pack_rows: int) -> None:
     shared = _SharedInput(len(layers))
 
     for index, layer in enumerate(layers):
-        alone = _lean_forward(layer)
         start, end = bounds[index]
+        alone: list[Callable[[torch.Tensor], torch.Tensor]] = []  # the unpacked forward, made at a split
 
-        def lean(x: torch.Tensor, index=index, alone=alone, start=start, end=end) -> torch.Tensor:
+        def lean(x: torch.Tensor, layer=layer, index=index, alone=alone, start=start, end=end) -> torch.Tensor:
+            if not shared.split and not shared.holds(x) and shared.unread():
+                shared.split = True  # a sibling reads another input: each computes alone from here
             if shared.split:
-                return alone(x)
+                if not alone:
+                    alone.append(_lean_forward(layer))
+                return alone[0](x)
             if not shared.holds(x):
-                if shared.unread():
-                    shared.split = True  # a sibling reads another input: each computes alone from here
-                    return alone(x)
                 x_c = x.to(dtype)
                 shared.keep(x, product(torch.cat([x_c, F.linear(x_c, A_all)], dim=-1)))
             shared.read.add(index)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ppo_cli.engine import lean_lora as lean_module
 from ppo_cli.engine.lean_lora import lean_lora
-from tests.fixtures.architectures import FAMILIES
+from tests.fixtures.architectures import FAMILIES, lora_adapted
 
 
 def _adapted(seed: int = 0, **lora) -> nn.Module:
@@ -146,18 +146,10 @@ def test_a_4bit_base_keeps_peft_s_forward():
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_generate_samples_the_same_tokens_and_log_probs_on_every_architecture(architecture_models, family, monkeypatch):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from ppo_cli.engine.generate import generate_with_logprobs
     from ppo_cli.recipe import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
+    model = lora_adapted(architecture_models / family)
     with lean_lora(model) as installed:
         # GPT-2's projections are Conv1D layers (peft's fan_in_fan_out), which keep peft's forward
         assert (installed == 0) == (family == "gpt2"), installed

@@ -12,7 +12,7 @@ from torch import nn
 
 from ppo_cli.engine import packed_linear
 from ppo_cli.engine.packed_linear import MIN_STEPS, packed_product, packing_pays
-from tests.fixtures.architectures import FAMILIES
+from tests.fixtures.architectures import FAMILIES, lora_adapted
 
 BF16_PACKING = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_packing = pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes bf16 natively only on CPUs with avx512_bf16 or AMX")
@@ -176,22 +176,14 @@ def test_generate_in_bf16_samples_the_same_tokens_and_log_probs_on_packed_weight
     products give the draws that the same products on the weights as they are (F.linear) give; and one
     forward with siblings joined is at least as close to float32's logits as peft's forward (measured:
     closer on all 13 architectures that pack, mean error 0.038-0.063 against peft's 0.035-0.066)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from ppo_cli.engine import generate as generate_module
     from ppo_cli.engine import lean_lora as lean_module
+    from ppo_cli.engine.frozen_weights import store_frozen_linears_in
     from ppo_cli.engine.generate import generate_with_logprobs
     from ppo_cli.recipe import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(architecture_models / family, dtype=torch.float32)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
-        elif not param.requires_grad and param.dim() == 2 and "embed" not in name and "wte" not in name:
-            param.data = param.data.to(torch.bfloat16)  # frozen_weights: the frozen products' weights in bf16
+    model = lora_adapted(architecture_models / family)
+    store_frozen_linears_in(model, torch.bfloat16)  # as a run stores them under bf16 autocast
     vocab = model.get_output_embeddings().weight.shape[0]
     torch.manual_seed(1)
     prompt_ids = torch.randint(3, vocab, (6, 9))
