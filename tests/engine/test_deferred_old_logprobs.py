@@ -115,8 +115,12 @@ def test_grpo_update_with_old_logprobs_from_its_first_epoch_equals_the_one_with_
     assert stats_d.values["ratio"][0] == 1.0 and stats_d.values["clipfrac"][0] == 0.0  # exactly the old policy
     for name in ("policy_loss", "kl_loss", "approx_kl", "ratio"):
         assert stats_d.values[name] == pytest.approx(stats.values[name], abs=1e-5), name
+    # Within a tenth of a step (lr 1e-3): Adam divides each gradient by its own root mean square, so an
+    # element whose gradient is a cancellation residue moves by a share of lr that float32 noise decides
+    # (o_proj's lora_B at (17, 12): a first gradient of -6.2e-9 against a typical 1e-4, its weight then
+    # 1.909e-3 or 1.944e-3 after three steps; the median element moved 2.4e-3).
     for name in after:
-        torch.testing.assert_close(after_d[name], after[name], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(after_d[name], after[name], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow
