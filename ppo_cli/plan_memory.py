@@ -381,8 +381,10 @@ def estimate(s: Settings, policy: ModelShape, value: ModelShape | None, rewards:
     # --- rollout: KV cache of the generation, one no-grad forward's working set
     R = s.rollout_batch
     # Keys and values leave RoPE in float32 under autocast (bf16 projections x float32 cos/sin), so
-    # the KV cache keeps the weights' dtype.
-    kvb = b[s.dtype]
+    # transformers' KV cache keeps the weights' dtype; the reserved cache (engine/reserved_cache.py, for
+    # the classes that take a caller's cache) holds them in the autocast dtype the attention casts them to.
+    reserved = policy.shares_prompts and s.mixed_precision in ("bf16", "fp16")
+    kvb = 2.0 if reserved else b[s.dtype]
     kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * R * L * kvb
     work = B * L * (3 * policy.intermediate + 4 * policy.hidden) * cb + 2 * rows * policy.vocab * 4
     for shape, (dtype, _, batch) in zip(rewards, s.rewards):

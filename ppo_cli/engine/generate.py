@@ -10,7 +10,7 @@ import torch
 from ppo_cli.engine.lean_lora import lean_lora
 from ppo_cli.engine.models import unwrap_causal_lm
 from ppo_cli.engine.packed_linear import packed_product, packing_pays
-from ppo_cli.engine.shared_prompts import CACHE_ARGUMENT, shared_prefill
+from ppo_cli.engine.shared_prompts import CACHE_ARGUMENT, shared_prefill, sharing_model
 from ppo_cli.errors import RecipeError
 from ppo_cli.recipe import GenerationConfig
 from ppo_cli.types import Generation
@@ -106,6 +106,16 @@ def without_hub_generation_defaults(model):
         yield
     finally:
         lm.generation_config = saved
+
+
+def reserved_cache_for(model, length: int):
+    """A KV cache of ``length`` positions reserved up front (engine/reserved_cache.py) where the model
+    takes a DynamicCache from its caller (the classes shared_prompts checked), else None: generate()'s own."""
+    if not sharing_model(model):
+        return None
+    from ppo_cli.engine.reserved_cache import reserved_cache
+
+    return reserved_cache(unwrap_causal_lm(model), length)
 
 
 @contextlib.contextmanager
@@ -221,10 +231,13 @@ def generate(model, prompt_ids, prompt_mask, gen: GenerationConfig, stop_token_i
     lean = contextlib.nullcontext() if in_step else lean_lora(model, pack_rows)
     with (no_checkpointing(model), without_hub_generation_defaults(model), head_cast_once(model, pack_rows),
           lean):
-        if share_prompts and not in_step:  # a per-block gather decodes in step: every process the same calls
-            cache = shared_prefill(model, prompt_ids, prompt_mask)
-            if cache is not None:
-                extra[CACHE_ARGUMENT] = cache
+        # a per-block gather decodes in step: every process the same calls, transformers' own cache
+        cache = None if in_step else reserved_cache_for(model, prompt_ids.shape[1] + gen.max_new_tokens)
+        if share_prompts and not in_step:
+            prefilled = shared_prefill(model, prompt_ids, prompt_mask, cache)
+            cache = cache if prefilled is None else prefilled
+        if cache is not None:
+            extra[CACHE_ARGUMENT] = cache
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
                              logits_processor=sampling_processors(gen), synced_gpus=in_step, **extra)
     raw_response = out[:, prompt_ids.shape[1]:]

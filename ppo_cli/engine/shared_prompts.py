@@ -200,11 +200,11 @@ def whole_local_weights(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache=None):
     """A KV cache of every row's prompt but its last token, (B, P - 1), computed once per distinct prompt
     and repeated over its rows, for ``generate(past_key_values=...)``, whose first step then runs the
     last prompt token of every row; None where too few prompt tokens repeat, the model is not listed or
-    its weights are sharded.
+    its weights are sharded. ``cache``: an empty cache to fill (else a DynamicCache).
 
     Only the decoder runs (the cache is all generate needs), so hooks on the causal LM see no extra call.
     """
@@ -220,7 +220,7 @@ def shared_prefill(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     first = torch.empty(distinct, dtype=torch.long, device=groups.device)
     first[groups] = torch.arange(groups.numel(), device=groups.device)  # a row of each group (any: the same prompt)
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1].long()
-    cache = DynamicCache(config=lm.config)
+    cache = DynamicCache(config=lm.config) if cache is None else cache
     lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                      use_cache=True, **{CACHE_ARGUMENT: cache})
     cache.reorder_cache(groups)

@@ -517,12 +517,16 @@ def test_mixed_precision_halves_float32_activations_and_frozen_linears_and_adds_
         bf16 = parts(estimate(settings(lora=lora, mixed_precision="bf16"), shape, None, []))
         assert bf16["policy", "activations (update)"] == pytest.approx(fp32["policy", "activations (update)"] / 2)
         assert bf16["policy", "logits (update)"] == fp32["policy", "logits (update)"]  # upcast to float32
-        assert bf16["rollout", "KV cache"] == fp32["rollout", "KV cache"]  # float32 after RoPE
+        # float32 after RoPE in transformers' cache; held in bf16 in the reserved one (a Llama here)
+        assert shape.shares_prompts and bf16["rollout", "KV cache"] == pytest.approx(fp32["rollout", "KV cache"] / 2)
         if lora is None:
             assert bf16["policy", "weights"] == fp32["policy", "weights"]  # float32 master weights
         else:  # the frozen base's linear layers stored in bf16, the rest float32
             assert bf16["policy", "weights"] == pytest.approx(fp32["policy", "weights"] - LINEAR * 2)
     assert bf16["policy", "autocast weight copies (update)"] == pytest.approx(LINEAR * 2)  # full fine-tune (lora None)
+    unlisted = dataclasses.replace(shape, shares_prompts=False)  # a class that keeps transformers' cache
+    assert (parts(estimate(settings(mixed_precision="bf16"), unlisted, None, []))["rollout", "KV cache"]
+            == parts(estimate(settings(), unlisted, None, []))["rollout", "KV cache"])
     lora_bf16 = parts(estimate(settings(mixed_precision="bf16"), shape, None, []))
     assert ("policy", "autocast weight copies (update)") not in lora_bf16  # frozen base: cast per use, not cached
 
