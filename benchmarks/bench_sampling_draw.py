@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Sampling's draw, same process, alternating: the Gumbel-max draw (engine/generate.sampling_processors,
-in transformers' greedy loop) against transformers' own softmax + torch.multinomial, on the GRPO bench
+"""Sampling's draw, same process, alternating: the blocked inverse-CDF draw (engine/generate.sampling_processors,
+in transformers' greedy loop) against the Gumbel-max draw it replaced (Round 8's, kept here) and
+transformers' own softmax + torch.multinomial, on the GRPO bench
 recipe (SmolLM2-135M-Instruct, LoRA r16 all-linear, frozen weights in bf16 under autocast), 16 rows x
 48 tokens forced (no stop token), after one warm-up call each.
 
@@ -53,7 +54,19 @@ def main() -> None:
     rows = [json.loads(line)["prompt"] for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()]
     prompts = [p for p in rows[:4] for _ in range(recipe.generation.num_generations)]
 
-    gumbel = (generate.sampling_config, generate.sampling_processors)
+    shipped = (generate.sampling_config, generate.sampling_processors)
+
+    class GumbelMaxDraw:
+        """argmax(s + g), g = -log(-log U) for each of the V scores: the draw Round 8 took."""
+
+        def __call__(self, input_ids, scores):
+            uniform = torch.rand(scores.shape, dtype=torch.float32, device=scores.device)
+            return scores.float() - torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+
+    def gumbel_processors(gen):
+        processors = shipped[1](gen)
+        processors[-1] = GumbelMaxDraw()
+        return processors
 
     def multinomial_config(gen, stop_token_id, pad_token_id):
         return HFGenerationConfig(do_sample=True, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
@@ -61,15 +74,16 @@ def main() -> None:
                                   pad_token_id=pad_token_id, use_cache=True)
 
     def compiled_config(gen, stop_token_id, pad_token_id):
-        config = gumbel[0](gen, stop_token_id, pad_token_id)
+        config = shipped[0](gen, stop_token_id, pad_token_id)
         config.cache_implementation = "static"
         config.compile_config = CompileConfig(fullgraph=False, dynamic=False)
         config.compile_config._compile_all_devices = True  # transformers compiles on CUDA only otherwise
         return config
 
-    modes = {"gumbel": gumbel, "multinomial": (multinomial_config, lambda gen: LogitsProcessorList())}
+    modes = {"inverse cdf": shipped, "gumbel": (shipped[0], gumbel_processors),
+             "multinomial": (multinomial_config, lambda gen: LogitsProcessorList())}
     if args.compile:
-        modes["gumbel, compiled"] = (compiled_config, gumbel[1])
+        modes["inverse cdf, compiled"] = (compiled_config, shipped[1])
     seconds: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     for call in range(args.calls + 1):  # call 0 warms up (and compiles)
         order = list(modes) if call % 2 == 0 else list(reversed(modes))

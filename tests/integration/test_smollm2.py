@@ -132,13 +132,23 @@ def short_run(smollm2, tmp_path_factory):
 
 
 def test_a_short_run_from_the_gguf_file_raises_the_reward(short_run):
+    """Judged on the held-out questions, which the run samples before and after training from the same
+    seed: the same random numbers draw both, so without learning the two are the same samples (a run at
+    lr 1e-12: -0.795 and -0.795, EOS 17% and 17%) and the change is the policy's. Measured at one thread,
+    as CI runs it: -0.795 -> -0.303 (EOS 17% -> 50%) with the inverse-CDF draw, -0.925 -> -0.453 with
+    the Gumbel-max draw before it. The training batches' own means are 16 fresh samples each, about 0.08
+    apart between updates without learning (the lr 1e-12 run: -0.90, -0.90, -1.04, -1.01, -0.86), so
+    they are only asked to rise (-0.90, -0.93, -0.77, -0.81, -0.75 and -0.92, -0.97, -0.93, -0.78, -0.39:
+    0.14 and 0.36 from the first two to the last two, where a 0.15 margin failed the first)."""
     run, _ = short_run
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     scores = [m["objective/scores"] for m in metrics if "objective/scores" in m]
     assert len(scores) == SHORT_RUN["train.total_updates"]
-    eos_rates = [m["eos_rate"] for m in metrics if "eos_rate" in m]
-    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.15, scores
-    assert sum(eos_rates[-2:]) > sum(eos_rates[:2]), eos_rates
+    assert sum(scores[-2:]) > sum(scores[:2]), scores
+    summary = json.loads((run / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert after["score"] > before["score"] + 0.2, (before, after)
+    assert after["eos_rate"] > before["eos_rate"], (before, after)
 
 
 def test_final_loads_with_peft_on_the_gguf_base_and_generates(smollm2, short_run):
