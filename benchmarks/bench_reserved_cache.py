@@ -14,17 +14,10 @@ per call (min / median). Never imported by ppo_cli or its tests.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DEFAULT_RECIPE = ROOT / ".cache/bench/recipes/bench-vs-trl116-grpo-s49c-r0.yaml"  # bench_vs_trl_grpo.py compare writes it
+from sampling_bench import DEFAULT_RECIPE, sampling_engine
 
 
 def main() -> None:
@@ -37,20 +30,9 @@ def main() -> None:
 
     import torch
 
-    from ppo_cli.engine import engine as engine_module
     from ppo_cli.engine import reserved_cache
-    from ppo_cli.recipe_loading import load_recipe
-    from ppo_cli.train_setup import init_state
 
-    torch.set_num_threads(args.threads)
-    recipe = load_recipe(Path(args.recipe), args.set)
-    engine = engine_module.load_engine(recipe)
-    lines = [line for line in Path(recipe.data.prompts).read_text().splitlines() if line.strip()]
-    rows = [json.loads(line)["prompt"] for line in lines] if recipe.data.prompts.endswith(".jsonl") else lines
-    init_state(engine, rows)  # stores the frozen weights in the compute dtype, as a run does
-    engine.stop_token_id = -1  # every row runs to max_new_tokens
-    prompts = [p for p in rows[:4] for _ in range(recipe.generation.num_generations)]
-    print(f"mixed_precision {engine.mixed_precision}")
+    engine, prompts = sampling_engine(args.recipe, args.set, args.threads)
 
     modes = ("reserved", "dynamic")
     seconds = {mode: [] for mode in modes}
