@@ -113,11 +113,18 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     engine.reward.stream = lambda *args: streams.append(make_stream(*args)) or streams[-1]
     engine.sample = lambda *args, **kwargs: (sample(*args, **kwargs), ended.append(time.monotonic()))[0]
     prompts = ["The movie was", "I think the book was", "This phone is", "Overall, the product is"] * 2
-    # 20 ms a decoding step: the tiny model decodes the steps after a row's stop in a few ms, and whether
-    # its request reaches the server before the last step would be a race the machine's speed decides
+    # The tiny model decodes the steps after a row's stop in a few ms, and whether its request reaches the
+    # server before the last step would be a race the machine's speed (and where in the stream the first
+    # row stops) decides: once a request is sent, each decoding step waits for the server to have it
+    # (2 s at most). Were requests sent only after sampling, no step would wait and none would arrive in time.
     from ppo_cli.engine.models import unwrap_causal_lm
 
-    slow = unwrap_causal_lm(engine.actor_critic.policy).register_forward_hook(lambda *_: time.sleep(0.02))
+    def wait_for_a_sent_request(*_):
+        deadline = time.monotonic() + 2.0
+        while streams and streams[0].sent_while_sampling and not server.requests and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    slow = unwrap_causal_lm(engine.actor_critic.policy).register_forward_hook(wait_for_a_sent_request)
     torch.manual_seed(0)
     rollout = engine.collect_rollout(prompts)
     slow.remove()
