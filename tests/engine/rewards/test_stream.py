@@ -105,7 +105,7 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     server.delay_s = 0.05
     component = {"type": "http", "url": server.score_url, "batch_size": 1, "timeout_s": 5, "retries": 0}
     sets = {"ppo.rollout_batch_size": 8, "ppo.mini_batch_size": 4, "ppo.micro_batch_size": 4,
-            "generation.max_new_tokens": 24, "reward.components": f"[{component}]".replace("'", "")}
+            "generation.max_new_tokens": 32, "reward.components": f"[{component}]".replace("'", "")}
     recipe = load_recipe(ROOT / "recipes" / "tiny_sentiment.yaml", tiny_overrides(tiny_models, tmp_path, **sets))
     engine = load_engine(recipe)
     streams, ended = [], []
@@ -135,6 +135,10 @@ def test_a_rollouts_server_rewards_go_out_while_sampling_and_equal_scoring_after
     assert list(after.components.values())[0] == values
     finished = rollout.generation.finished.tolist()
     assert 0 < sum(finished) < 8  # some rows stop early, some run to max_new_tokens (seed 0)
+    # a stop with decoding steps after it, which wait for its request (row 5 stops at token 24 of 32; at 24
+    # of 24, as with max_new_tokens 24, no step follows and the request arrived 38 ms after sampling ended)
+    lengths = rollout.generation.response_mask.sum(dim=1)
+    assert int(lengths[rollout.generation.finished].min()) < sets["generation.max_new_tokens"]
     assert streams[0].sent_while_sampling >= 1 and streams[0].resent == 0
     assert min(r["at"] for r in server.requests) < ended[0]  # a request reached the server before sampling ended
 
